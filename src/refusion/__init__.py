@@ -1,0 +1,21 @@
+"""refusion: slot-level plan-and-infill decoding with full KV reuse for RoPE causal LMs."""
+
+from refusion.config import PRESETS, DecodeConfig, preset
+from refusion.decode.outputs import GenerationOutput, GenerationStats, RoundTrace, SequenceStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DecodeConfig", "GenerationOutput", "GenerationStats", "RoundTrace", "SequenceStats", "PRESETS",
+    "preset", "load", "generate", "encode_prompts",
+]
+
+
+def __getattr__(name):  # heavy imports (transformers) only when used
+    if name == "generate":
+        from refusion.decode.loop import generate
+        return generate
+    if name in ("load", "encode_prompts"):
+        from refusion.model import loading
+        return getattr(loading, name)
+    raise AttributeError(f"module 'refusion' has no attribute {name!r}")

@@ -1,0 +1,3 @@
+from refusion.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,51 @@
+"""The `refusion` command line: generate | train | eval | bench | serve | trace.
+
+Each subcommand lives next to the code it drives and exposes `add_parser(subparsers)`; heavy imports
+happen inside the command, so `refusion --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# module path of each subcommand's `add_parser`, in the order `--help` lists them
+SUBCOMMANDS = [
+    "refusion.decode.cli",
+]
+
+
+class UserError(Exception):
+    """A problem with the user's input, printed as one line (exit code 2)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="refusion", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"refusion {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for module in SUBCOMMANDS:
+        importlib.import_module(module).add_parser(sub)
+    return parser
+
+
+def _version() -> str:
+    from refusion import __version__
+    return __version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except (ValueError, FileNotFoundError, UserError) as e:
+        print(f"refusion {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"refusion {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,222 @@
+"""The KV cache of a batch of ReFusion sequences: the only code that touches KV tensors.
+
+ReFusion needs two things from a cache that an ordinary left-to-right cache does not give:
+
+* entries are *not* in text order (committed slots are appended in commit order, each with its true
+  position id already applied by RoPE), so a sequence's cache is a *bag* of entries: attention over the
+  cached context is order-free, and only the new tokens of one forward attend causally to each other;
+* during parallel completion several rows (one per selected slot) share the context, and each row
+  keeps KV computed against the context and its own prefix only.
+
+Both are served by one preallocated buffer per layer, ``[batch, kv_heads, capacity, head_dim]``, and two
+metadata tensors per column: ``owner`` (EMPTY, CONTEXT, or the group id of a pending entry) and ``pos``
+(the entry's position id). A query of group g sees every CONTEXT entry, the pending entries of group g
+written before it, and itself. Rows of parallel completion are groups; plan and verification forwards
+use group 0. Pending entries are then committed (become CONTEXT), retained, or dropped by position id, so
+the decoding programs never see column indices and the buffer can be compacted at any time.
+
+Invariant, checked on every commit: a sequence's CONTEXT entries are exactly its committed tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+EMPTY = -2
+CONTEXT = -1
+PADDING = -3
+
+
+class _BufferLayer(DynamicLayer):
+    """A transformers cache layer that writes into the SlotCache buffer of its layer."""
+
+    def __init__(self, owner: SlotCache, index: int):
+        super().__init__()
+        self.owner, self.index = owner, index
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self.owner._write(self.index, key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self.owner.used
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.used + query_length, 0
+
+
+class SlotCache:
+    """Batched bag-of-entries KV cache with per-group visibility (see the module docstring)."""
+
+    def __init__(self, num_layers: int, device: torch.device, capacity: int = 256, mask_dtype: torch.dtype | None = None):
+        self.num_layers = num_layers
+        self.device = torch.device(device)
+        self.capacity = capacity
+        self.mask_dtype = mask_dtype  # None: boolean mask (sdpa); a float dtype: additive mask (eager)
+        self.keys: list[torch.Tensor | None] = [None] * num_layers  # [B, H, C, D]
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.owner = torch.empty(0, capacity, dtype=torch.long, device=self.device)  # [B, C]
+        self.pos = torch.empty(0, capacity, dtype=torch.long, device=self.device)  # [B, C]
+        self.used = 0  # columns written so far (all rows)
+        self.row_of: dict[int, int] = {}  # sequence id -> batch row
+        self.committed: dict[int, int] = {}  # sequence id -> number of committed tokens
+        self._pending_width = 0  # columns reserved by the forward in flight
+        self.hf = Cache(layers=[_BufferLayer(self, i) for i in range(num_layers)])
+
+    # ----------------------------------------------------------------------------- rows
+    @property
+    def batch_size(self) -> int:
+        return self.owner.shape[0]
+
+    def add_sequence(self, seq_id: int) -> None:
+        """Give a new sequence an empty row."""
+        assert seq_id not in self.row_of, f"sequence {seq_id} already has a row"
+        self.row_of[seq_id] = self.batch_size
+        self.committed[seq_id] = 0
+        new_meta = torch.full((1, self.capacity), EMPTY, dtype=torch.long, device=self.device)
+        self.owner = torch.cat([self.owner, new_meta])
+        self.pos = torch.cat([self.pos, torch.zeros_like(new_meta)])
+        for i, k in enumerate(self.keys):
+            if k is not None:
+                self.keys[i] = torch.cat([k, k.new_zeros(1, *k.shape[1:])])
+                self.values[i] = torch.cat([self.values[i], k.new_zeros(1, *k.shape[1:])])
+
+    def remove_sequences(self, seq_ids: list[int]) -> None:
+        """Free the rows of finished sequences (they cost no more compute)."""
+        if not seq_ids:
+            return
+        gone = {self.row_of.pop(s) for s in seq_ids}
+        for s in seq_ids:
+            self.committed.pop(s)
+        keep = [r for r in range(self.batch_size) if r not in gone]
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.owner, self.pos = self.owner[index], self.pos[index]
+        for i, k in enumerate(self.keys):
+            if k is not None:
+                self.keys[i], self.values[i] = k[index], self.values[i][index]
+        order = sorted(self.row_of, key=self.row_of.get)
+        self.row_of = {s: r for r, s in enumerate(order)}
+        if not self.row_of:
+            self.used = 0
+
+    # ----------------------------------------------------------------------------- forward
+    def begin_forward(self, groups: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Reserve columns for a forward of new tokens and return its 4D attention mask.
+
+        groups, positions: [B, T] (group PADDING for padding tokens). Returns [B, 1, T, used + T].
+        """
+        width = groups.shape[1]
+        self._make_room(width)
+        cols = slice(self.used, self.used + width)
+        self.owner[:, cols] = groups
+        self.pos[:, cols] = positions
+        self._pending_width = width
+        return self._attention_mask(groups)
+
+    def end_forward(self) -> None:
+        """Account for the columns just written; padding columns become free."""
+        cols = slice(self.used, self.used + self._pending_width)
+        self.owner[:, cols].masked_fill_(self.owner[:, cols] == PADDING, EMPTY)
+        self.used += self._pending_width
+        self._pending_width = 0
+
+    def _attention_mask(self, groups: torch.Tensor) -> torch.Tensor:
+        width = groups.shape[1]
+        total = self.used + width
+        owner = self.owner[:, None, :total]  # [B, 1, L]
+        key_col = torch.arange(total, device=self.device)  # [L]
+        query_col = self.used + torch.arange(width, device=self.device)  # [T]
+        same_group = (owner == groups[:, :, None]) & (key_col[None, None, :] <= query_col[None, :, None])
+        visible = (owner == CONTEXT) | same_group  # [B, T, L]
+        visible = visible[:, None]  # [B, 1, T, L]
+        if self.mask_dtype is None:
+            return visible
+        additive = torch.zeros(visible.shape, dtype=self.mask_dtype, device=self.device)
+        return additive.masked_fill_(~visible, torch.finfo(self.mask_dtype).min)
+
+    def _write(self, layer: int, key: torch.Tensor, value: torch.Tensor):
+        if self.keys[layer] is None:
+            shape = (self.batch_size, key.shape[1], self.capacity, key.shape[3])
+            self.keys[layer] = key.new_zeros(shape)
+            self.values[layer] = value.new_zeros(shape[:3] + (value.shape[3],))
+        end = self.used + key.shape[2]
+        self.keys[layer][:, :, self.used:end] = key
+        self.values[layer][:, :, self.used:end] = value
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    # ----------------------------------------------------------------------------- space
+    def _make_room(self, width: int) -> None:
+        live = int((self.owner[:, :self.used] != EMPTY).sum(1).max()) if self.used else 0
+        waste = self.used - live
+        if self.used + width > self.capacity or waste > max(64, live // 2):
+            self.compact()
+        if self.used + width > self.capacity:
+            self._grow(max(self.used + width, int(self.capacity * 1.5)))
+
+    def compact(self) -> None:
+        """Move every row's live entries to the front of the buffer (their order is irrelevant)."""
+        if self.used == 0:
+            return
+        live = self.owner[:, :self.used] != EMPTY  # [B, U]
+        order = torch.argsort((~live).to(torch.int8), dim=1, stable=True)  # live first
+        new_used = int(live.sum(1).max())
+        index = order[:, :new_used]  # [B, U']
+        self.owner[:, :new_used] = torch.gather(self.owner[:, :self.used], 1, index)
+        self.pos[:, :new_used] = torch.gather(self.pos[:, :self.used], 1, index)
+        self.owner[:, new_used:] = EMPTY
+        for i, k in enumerate(self.keys):
+            if k is None:
+                continue
+            for buf in (k, self.values[i]):
+                gather_index = index[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[3])
+                buf[:, :, :new_used] = torch.gather(buf[:, :, :self.used], 2, gather_index)
+        self.used = new_used
+
+    def _grow(self, capacity: int) -> None:
+        extra = capacity - self.capacity
+        self.owner = torch.cat([self.owner, self.owner.new_full((self.batch_size, extra), EMPTY)], 1)
+        self.pos = torch.cat([self.pos, self.pos.new_zeros(self.batch_size, extra)], 1)
+        for i, k in enumerate(self.keys):
+            if k is not None:
+                self.keys[i] = torch.cat([k, k.new_zeros(k.shape[0], k.shape[1], extra, k.shape[3])], 2)
+                v = self.values[i]
+                self.values[i] = torch.cat([v, v.new_zeros(v.shape[0], v.shape[1], extra, v.shape[3])], 2)
+        self.capacity = capacity
+
+    # ----------------------------------------------------------------------------- pending entries
+    def _pending(self, seq_id: int) -> tuple[int, torch.Tensor]:
+        row = self.row_of[seq_id]
+        return row, self.owner[row, :self.used] >= 0
+
+    def commit(self, seq_id: int, positions: torch.Tensor) -> None:
+        """Pending entries at `positions` join the context; every other pending entry is dropped."""
+        row, pending = self._pending(seq_id)
+        chosen = pending & torch.isin(self.pos[row, :self.used], positions)
+        found = int(chosen.sum())
+        if found != positions.numel():
+            raise RuntimeError(f"KV cache invariant broken: committing {positions.numel()} tokens, found {found}")
+        owner = self.owner[row, :self.used]
+        owner[pending] = EMPTY
+        owner[chosen] = CONTEXT
+        self.committed[seq_id] += found
+        self.check(seq_id)
+
+    def retain(self, seq_id: int, positions: torch.Tensor | None = None) -> None:
+        """Keep the pending entries at `positions` (None: none) pending; drop every other pending entry."""
+        row, pending = self._pending(seq_id)
+        drop = pending if positions is None else pending & ~torch.isin(self.pos[row, :self.used], positions)
+        self.owner[row, :self.used][drop] = EMPTY
+
+    def discard(self, seq_id: int) -> None:
+        """Drop every pending entry of a sequence: its cache is exactly its context again."""
+        self.retain(seq_id, None)
+
+    def check(self, seq_id: int) -> None:
+        """Assert the invariant: the context entries are exactly the committed tokens."""
+        row = self.row_of[seq_id]
+        n = int((self.owner[row, :self.used] == CONTEXT).sum())
+        if n != self.committed[seq_id]:
+            raise RuntimeError(f"KV cache invariant broken: {n} context entries for {self.committed[seq_id]} tokens")
+
+    def context_length(self, seq_id: int) -> int:
+        return self.committed[seq_id]

@@ -1,0 +1,210 @@
+"""The batching loop and `generate`: the only loop that drives the model.
+
+Every live sequence runs its own decoding program (`program.py`); each step gathers the forward each
+program asks for, runs them as one batched forward over the shared `SlotCache`, and hands every program
+its logits. Sequences may be at different phases of a round; a finished sequence leaves the batch and
+costs nothing more. New sequences can join between steps (continuous batching for the server).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable, Sequence as SequenceABC
+
+import torch
+
+from refusion.config import DecodeConfig
+from refusion.decode.cache import PADDING, SlotCache
+from refusion.decode.outputs import BatchStats, GenerationOutput, GenerationStats, RoundTrace
+from refusion.decode.program import Forward, Sequence
+
+
+class Decoder:
+    """Runs the decoding programs of many sequences, one batched forward per `step()`."""
+
+    def __init__(self, model, capacity: int = 512):
+        self.model = model
+        self.device = next(model.parameters()).device
+        attn = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
+        if attn not in ("sdpa", "eager"):
+            raise ValueError(f"attention implementation {attn!r} cannot take the masks ReFusion needs: "
+                             "load the model with attn_implementation='sdpa' (or 'eager')")
+        mask_dtype = None if attn == "sdpa" else model.dtype
+        text_config = model.config.get_text_config()
+        self.cache = SlotCache(text_config.num_hidden_layers, self.device, capacity, mask_dtype)
+        self.live: dict[int, tuple[Sequence, Forward]] = {}
+        self.stats = BatchStats()
+        self._next_id = 0
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    def add(self, prompt: list[int], cfg: DecodeConfig, *, mask_token_id: int | None, eos_token_ids: list[int],
+            generator: torch.Generator | None = None, trace: bool = False,
+            on_round: Callable[[Sequence, RoundTrace], None] | None = None) -> Sequence:
+        """Start decoding a prompt; it joins the batch at the next step."""
+        seq = Sequence(self._next_id, prompt, cfg, mask_token_id=mask_token_id, eos_token_ids=eos_token_ids,
+                       cache=self.cache, device=self.device, generator=generator, trace=trace, on_round=on_round)
+        self._next_id += 1
+        self.live[seq.id] = (seq, next(seq.program))
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        """Stop decoding a sequence (e.g. its client went away) and free its row."""
+        if self.live.pop(seq.id, None) is not None:
+            seq.program.close()
+            self.cache.remove_sequences([seq.id])
+
+    def step(self) -> list[Sequence]:
+        """Run one batched forward for every live sequence; return the sequences that finished."""
+        order = sorted(self.live, key=self.cache.row_of.get)
+        requests = [self.live[i][1] for i in order]
+        logits = self._forward(requests)
+        finished = []
+        for seq_id, request, seq_logits in zip(order, requests, logits):
+            seq = self.live[seq_id][0]
+            seq.stats.forwards += 1
+            try:
+                self.live[seq_id] = (seq, seq.program.send(seq_logits))
+            except StopIteration:
+                finished.append(seq)
+        for seq in finished:
+            del self.live[seq.id]
+            seq.finished = True
+            seq.stats.seconds = time.perf_counter() - seq.started
+        self.cache.remove_sequences([s.id for s in finished])
+        return finished
+
+    def run(self) -> None:
+        """Step until every sequence has finished."""
+        while self.live:
+            self.step()
+
+    def _forward(self, requests: list[Forward]) -> list[torch.Tensor]:
+        """One batched forward; requests are right-aligned (left padding) in cache-row order."""
+        batch, width = len(requests), max(r.tokens.numel() for r in requests)
+        input_ids = torch.zeros(batch, width, dtype=torch.long, device=self.device)
+        positions = torch.zeros(batch, width, dtype=torch.long, device=self.device)
+        groups = torch.full((batch, width), PADDING, dtype=torch.long, device=self.device)
+        for b, r in enumerate(requests):
+            n = r.tokens.numel()
+            input_ids[b, width - n:], positions[b, width - n:], groups[b, width - n:] = r.tokens, r.positions, r.groups
+        keep = max(r.tokens.numel() - r.logits_from for r in requests)  # logits needed, counted from the end
+        mask = self.cache.begin_forward(groups, positions)
+        kwargs = {"logits_to_keep": keep} if self._logits_to_keep else {}
+        start = time.perf_counter()
+        out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask,
+                         past_key_values=self.cache.hf, use_cache=True, **kwargs)
+        logits = out.logits[:, -keep:]  # [B, keep, V]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stats.forward_seconds += time.perf_counter() - start
+        self.stats.forwards += 1
+        self.cache.end_forward()
+        return [logits[b, keep - (r.tokens.numel() - r.logits_from):] for b, r in enumerate(requests)]
+
+
+# --------------------------------------------------------------------------------- generate
+def normalize_prompts(input_ids) -> list[list[int]]:
+    """A (B, P) tensor, a list of id lists (ragged batch) or one list of ids -> list of id lists."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be a (batch, length) tensor, got shape {tuple(input_ids.shape)}")
+        return input_ids.tolist()
+    if not isinstance(input_ids, SequenceABC) or isinstance(input_ids, (str, bytes)):
+        raise ValueError("input_ids must be a list of token-id lists or a (batch, length) LongTensor; "
+                         "tokenize text first (refusion.encode_prompts)")
+    if len(input_ids) and all(isinstance(t, int) for t in input_ids):
+        return [list(input_ids)]
+    prompts = [list(p.tolist() if isinstance(p, torch.Tensor) else p) for p in input_ids]
+    if not prompts:
+        raise ValueError("input_ids is empty: give at least one prompt")
+    return prompts
+
+
+def resolve_special_tokens(model, cfg: DecodeConfig) -> tuple[int | None, list[int]]:
+    """(mask token id, EOS ids) from the config, else from the model's (generation) config."""
+    mask_id = cfg.mask_token_id
+    if mask_id is None:
+        mask_id = getattr(model.config, "mask_token_id", None)
+    if mask_id is None and cfg.strategy == "refusion":
+        raise ValueError("mask_token_id is unknown: the model config has no mask_token_id. Pass "
+                         "DecodeConfig(mask_token_id=...), use strategy='autoregressive', or turn the model "
+                         "into a ReFusion model with `refusion train`")
+    eos = cfg.eos_token_id
+    if eos is None:
+        generation_config = getattr(model, "generation_config", None)
+        eos = getattr(generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config.get_text_config(), "eos_token_id", None)
+    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return mask_id, eos_ids
+
+
+def validate_prompts(model, prompts: list[list[int]], cfg: DecodeConfig, mask_id: int | None) -> None:
+    """Bad input fails here, with the field named, before any forward pass."""
+    text_config = model.config.get_text_config()
+    vocab = model.get_input_embeddings().num_embeddings
+    max_positions = getattr(text_config, "max_position_embeddings", None)
+    new_tokens = cfg.canvas_length if cfg.strategy == "refusion" else cfg.max_new_tokens
+    if mask_id is not None and not 0 <= mask_id < vocab:
+        raise ValueError(f"mask_token_id={mask_id} is outside the model's vocabulary of {vocab}")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt {i} holds token ids outside [0, {vocab})")
+        if max_positions is not None and len(prompt) + new_tokens > max_positions:
+            raise ValueError(f"prompt {i} ({len(prompt)} tokens) + max_new_tokens={cfg.max_new_tokens} "
+                             f"(canvas {new_tokens}) exceeds the model's context of {max_positions} positions")
+
+
+def sequence_generator(cfg: DecodeConfig, index: int, generator: torch.Generator | None):
+    """The random generator of sequence `index`: none at temperature 0; seed + index when seeded."""
+    if cfg.temperature == 0:
+        return None
+    if generator is not None:
+        return generator
+    seed = cfg.seed + index if cfg.seed is not None else int(torch.randint(0, 2**62, (1,)))
+    return torch.Generator().manual_seed(seed)
+
+
+@torch.inference_mode()
+def generate(model, input_ids, cfg: DecodeConfig | None = None, *, trace: bool = False,
+             generator: torch.Generator | None = None,
+             on_round: Callable[[Sequence, RoundTrace], None] | None = None, **overrides) -> GenerationOutput:
+    """Decode a batch of prompts with ReFusion plan-and-infill (or the AR baseline).
+
+    Args:
+        model: a transformers causal LM with RoPE that accepts `position_ids` (sdpa or eager attention).
+        input_ids: a list of token-id lists (a ragged batch), one list of ids, or a (B, P) LongTensor.
+        cfg: decoding settings; keyword `overrides` replace single fields (e.g. ``max_new_tokens=64``).
+        trace: also return, per sequence, what each round planned and committed.
+        generator: random generator shared by all sequences when temperature > 0 (default: one per
+            sequence, seeded with cfg.seed + index).
+        on_round: called after every round of every sequence with (sequence, RoundTrace).
+    """
+    cfg = cfg or DecodeConfig()
+    if overrides:
+        cfg = cfg.replace(**overrides)
+    prompts = normalize_prompts(input_ids)
+    mask_id, eos_ids = resolve_special_tokens(model, cfg)
+    validate_prompts(model, prompts, cfg, mask_id)
+    was_training = model.training
+    model.eval()
+    start = time.perf_counter()
+    decoder = Decoder(model, capacity=max(map(len, prompts)) + cfg.canvas_length + 2 * cfg.block_size)
+    seqs = [decoder.add(p, cfg, mask_token_id=mask_id, eos_token_ids=eos_ids,
+                        generator=sequence_generator(cfg, i, generator), trace=trace, on_round=on_round)
+            for i, p in enumerate(prompts)]
+    decoder.run()
+    model.train(was_training)
+    sequences = [s.response() for s in seqs]
+    for s, tokens in zip(seqs, sequences):
+        s.stats.tokens = len(tokens)
+        s.stats.finish_reason = "eos" if tokens and tokens[-1] in eos_ids else "length"
+    batch = decoder.stats
+    batch.tokens, batch.seconds = sum(map(len, sequences)), time.perf_counter() - start
+    stats = GenerationStats([s.stats for s in seqs], batch)
+    return GenerationOutput(sequences, stats, [s.rounds for s in seqs] if trace else None)

@@ -1,0 +1,118 @@
+"""What `generate` returns: sequences, statistics and (when asked) the decoding trace."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SlotEvent:
+    """One slot (or AR token run) in one round of the trace."""
+
+    start: int
+    """Position id of the slot's first token."""
+    tokens: list[int]
+    """Drafted tokens (for "planned"/"drafted") or committed tokens (for commits)."""
+    score: float | None = None
+    """Planning score (confidence of the first drafted token), when planned."""
+
+
+@dataclass
+class RoundTrace:
+    """What one round of decoding did for one sequence (ALGORITHM.md §3)."""
+
+    index: int
+    """Round number, from 0."""
+    block: int
+    """Block being decoded."""
+    masked_slots: list[int]
+    """Start positions of the slots still masked in the block when the round began."""
+    planned: list[SlotEvent]
+    """Slots selected by the plan step, with their drafts and scores."""
+    committed: list[SlotEvent]
+    """Slots committed this round (tokens cut after EOS), in commit order."""
+    how: str
+    """"fast_accept", "parallel_completion" or "autoregressive"."""
+    forwards: int
+    """Forward passes spent in this round (the first round includes the prompt)."""
+    finished: bool = False
+    """Whether EOS was committed in this round."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class SequenceStats:
+    """Statistics of one sequence of a batch."""
+
+    tokens: int = 0
+    """Response tokens returned (up to and including EOS)."""
+    forwards: int = 0
+    """Forward passes this sequence took part in (prefill included)."""
+    rounds: int = 0
+    """Plan-and-infill rounds (autoregressive: tokens)."""
+    seconds: float = 0.0
+    """Wall time from the start of the batch until this sequence finished."""
+    finish_reason: str = "length"
+    """"eos" or "length"."""
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.tokens / self.forwards if self.forwards else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "tokens_per_forward": self.tokens_per_forward,
+                "tokens_per_second": self.tokens_per_second}
+
+
+@dataclass
+class BatchStats:
+    """Statistics of the whole batch."""
+
+    tokens: int = 0
+    """Response tokens over all sequences."""
+    forwards: int = 0
+    """Batched forward passes run (one forward may serve many sequences)."""
+    seconds: float = 0.0
+    """Wall time of the batch, prefill included."""
+    forward_seconds: float = 0.0
+    """Time spent inside model forwards."""
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.tokens / self.forwards if self.forwards else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "tokens_per_forward": self.tokens_per_forward,
+                "tokens_per_second": self.tokens_per_second}
+
+
+@dataclass
+class GenerationStats:
+    per_sequence: list[SequenceStats]
+    batch: BatchStats
+
+    def to_dict(self) -> dict:
+        return {"per_sequence": [s.to_dict() for s in self.per_sequence], "batch": self.batch.to_dict()}
+
+
+@dataclass
+class GenerationOutput:
+    """Result of `refusion.generate`."""
+
+    sequences: list[list[int]]
+    """One list of generated ids per prompt (prompt excluded), up to and including the first EOS, or
+    max_new_tokens long."""
+    stats: GenerationStats
+    traces: list[list[RoundTrace]] | None = field(default=None)
+    """Per sequence, the rounds of decoding (only when `trace=True`)."""
