@@ -54,6 +54,7 @@ class Decoder:
             seq.program.close()
             self.cache.remove_sequences([seq.id])
 
+    @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """Run one batched forward for every live sequence; return the sequences that finished."""
         order = sorted(self.live, key=self.cache.row_of.get)
@@ -194,12 +195,14 @@ def generate(model, input_ids, cfg: DecodeConfig | None = None, *, trace: bool =
     was_training = model.training
     model.eval()
     start = time.perf_counter()
-    decoder = Decoder(model, capacity=max(map(len, prompts)) + cfg.canvas_length + 2 * cfg.block_size)
-    seqs = [decoder.add(p, cfg, mask_token_id=mask_id, eos_token_ids=eos_ids,
-                        generator=sequence_generator(cfg, i, generator), trace=trace, on_round=on_round)
-            for i, p in enumerate(prompts)]
-    decoder.run()
-    model.train(was_training)
+    try:
+        decoder = Decoder(model, capacity=max(map(len, prompts)) + cfg.canvas_length + 2 * cfg.block_size)
+        seqs = [decoder.add(p, cfg, mask_token_id=mask_id, eos_token_ids=eos_ids,
+                            generator=sequence_generator(cfg, i, generator), trace=trace, on_round=on_round)
+                for i, p in enumerate(prompts)]
+        decoder.run()
+    finally:
+        model.train(was_training)
     sequences = [s.response() for s in seqs]
     for s, tokens in zip(seqs, sequences):
         s.stats.tokens = len(tokens)

@@ -1,0 +1,96 @@
+"""`refusion generate`: decode prompts from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from refusion.config import PRESETS, DecodeConfig
+
+# (flag, DecodeConfig field, type, help) built from the DecodeConfig fields users tune
+DECODE_FLAGS = [
+    ("--max-new-tokens", "max_new_tokens", int, "most response tokens"),
+    ("--slot-size", "slot_size", int, "k: tokens per slot"),
+    ("--block-size", "block_size", int, "b: block length, a multiple of the slot size"),
+    ("--slot-threshold", "slot_threshold", float, "tau_slot: planning threshold in [0, 1]"),
+    ("--token-threshold", "token_threshold", float, "tau_token: acceptance threshold in [0, 1]"),
+    ("--temperature", "temperature", float, "0 = greedy; > 0 samples the plan drafts"),
+    ("--seed", "seed", int, "seed for sampling"),
+    ("--strategy", "strategy", str, "refusion (plan and infill) or autoregressive"),
+    ("--kv-cache", "kv_cache", str, "reuse (default) or recompute"),
+]
+
+
+def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
+    """The decoding flags shared by generate, eval and serve (defaults come from DecodeConfig / preset)."""
+    defaults = DecodeConfig()
+    for flag, field, kind, text in DECODE_FLAGS:
+        parser.add_argument(flag, dest=field, type=kind, default=None,
+                            help=f"{text} (default {getattr(defaults, field)!r})")
+    parser.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                        help="named decoding settings (paper per-task settings); flags override it")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="HF directory, .gguf file, hub id, or 'smollm2' (default: the embedded model)")
+    parser.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 where supported)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+
+
+def decode_config_from_args(args: argparse.Namespace, base: dict | None = None) -> DecodeConfig:
+    """DecodeConfig from `base` kwargs, then the preset, then the explicit flags."""
+    from refusion.config import preset
+    kwargs = dict(base or {})
+    if getattr(args, "preset", None):
+        kwargs.update(preset(args.preset))
+    for _, field, _, _ in DECODE_FLAGS:
+        if getattr(args, field, None) is not None:
+            kwargs[field] = getattr(args, field)
+    return DecodeConfig(**kwargs)
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("generate", help="generate text with ReFusion (or AR) decoding",
+                              description="Generate a response for each PROMPT ('-' reads one from stdin).")
+    p.add_argument("prompts", nargs="+", metavar="PROMPT")
+    add_model_arguments(p)
+    add_decode_arguments(p)
+    p.add_argument("--no-chat", action="store_true", help="feed the prompt as is, without the chat template")
+    p.add_argument("--system", default=None, help="system message for the chat template")
+    p.add_argument("--stats", action="store_true", help="print tokens, forwards, tokens/forward and tokens/s")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    prompts = [sys.stdin.read() if p == "-" else p for p in args.prompts]
+    if any(not p.strip() for p in prompts):
+        raise ValueError("empty prompt: give some text to respond to")
+    import refusion
+
+    base = {}
+    if args.model is None:
+        from refusion.model.embedded import default_decode_settings_or_none
+        base = default_decode_settings_or_none() or {}
+    cfg = decode_config_from_args(args, base)  # validated before the model loads
+    model, tokenizer = refusion.load(args.model, dtype=args.dtype, device=args.device)
+    input_ids = refusion.encode_prompts(tokenizer, prompts, chat=not args.no_chat, system=args.system)
+    out = refusion.generate(model, input_ids, cfg)
+    for i, (prompt, tokens) in enumerate(zip(prompts, out.sequences)):
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        stats = out.stats.per_sequence[i]
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": text, "token_ids": tokens,
+                              "stats": stats.to_dict(), "config": dataclasses.asdict(cfg)}))
+            continue
+        if len(prompts) > 1:
+            print(f"--- [{i}] {prompt}")
+        print(text)
+        if args.stats:
+            print(f"[tokens {stats.tokens} | forwards {stats.forwards} | tokens/forward "
+                  f"{stats.tokens_per_forward:.2f} | tokens/s {stats.tokens_per_second:.1f} | "
+                  f"{stats.seconds:.2f} s | {stats.finish_reason}]")
+    return 0

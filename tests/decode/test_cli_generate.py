@@ -1,0 +1,64 @@
+"""`refusion generate` end to end on a tiny saved model, and its one-line errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from refusion.cli import main
+from refusion.model.tiny import tiny_model, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_model().save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def test_generate_json_and_stats(model_dir, capsys):
+    assert main(["generate", "what is 2+2?", "--model", model_dir, "--max-new-tokens", "12", "--slot-size", "4",
+                 "--block-size", "8", "--dtype", "float32", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["prompt"] == "what is 2+2?" and 1 <= record["stats"]["tokens"] <= 12
+    assert record["config"]["slot_size"] == 4 and len(record["token_ids"]) == record["stats"]["tokens"]
+
+    assert main(["generate", "hi", "bye", "--model", model_dir, "--max-new-tokens", "6", "--stats",
+                 "--strategy", "autoregressive", "--no-chat"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("tokens/forward 1.00") == 2 and "--- [1] bye" in out
+
+
+def test_preset_then_flags_override(model_dir, capsys):
+    assert main(["generate", "x", "--model", model_dir, "--preset", "demo", "--max-new-tokens", "8",
+                 "--slot-size", "2", "--json"]) == 0
+    config = json.loads(capsys.readouterr().out)["config"]
+    assert (config["slot_size"], config["block_size"], config["slot_threshold"]) == (2, 16, 0.6)
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--slot-size", "3", "--block-size", "4"], "block_size=4 is invalid"),
+    (["--slot-threshold", "2"], "slot_threshold=2.0 is invalid"),
+    (["--strategy", "beam"], "strategy='beam' is invalid"),
+    (["--model", "/nonexistent/dir"], "does not exist"),
+])
+def test_bad_flags_print_one_line_and_exit_2(model_dir, capsys, argv, words):
+    argv = ["generate", "hello"] + (argv if "--model" in argv else argv + ["--model", model_dir])
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err
+
+
+def test_empty_prompt_is_refused(model_dir, capsys):
+    assert main(["generate", "  ", "--model", model_dir]) == 2
+    assert "empty prompt" in capsys.readouterr().err
+
+
+def test_python_m_refusion_help():
+    out = subprocess.run([sys.executable, "-m", "refusion", "generate", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for flag in ("--max-new-tokens", "--slot-size", "--block-size", "--slot-threshold", "--token-threshold",
+                 "--temperature", "--seed", "--strategy", "--no-chat", "--stats", "--json"):
+        assert flag in out.stdout

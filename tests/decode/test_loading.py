@@ -1,0 +1,58 @@
+"""refusion.load: local directories, the mask token from the tokenizer, offline hub ids, GGUF."""
+
+import json
+
+import pytest
+import torch
+
+import refusion
+from refusion.model.tiny import TINY_MASK_ID, tiny_model, tiny_tokenizer
+
+
+def test_local_directory_resolves_mask_from_tokenizer(tmp_path):
+    model = tiny_model()
+    model.config.mask_token_id = None  # only the tokenizer knows <|mask|>
+    model.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    loaded, tokenizer = refusion.load(tmp_path, dtype="float32", device="cpu")
+    assert loaded.config.mask_token_id == TINY_MASK_ID
+    assert loaded.generation_config.eos_token_id in (2, [2])
+    ids = refusion.encode_prompts(tokenizer, ["hello"])
+    assert ids[0][0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert refusion.generate(loaded, ids, max_new_tokens=4).sequences
+
+
+def test_released_checkpoint_layout_loads_with_stock_classes(tmp_path):
+    """The released model is a Qwen3ForCausalLM whose config points at remote code; stock classes must do."""
+    model = tiny_model("qwen3")
+    model.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_qwen3_refusion.Qwen3ForCausalLM"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded, _ = refusion.load(tmp_path, dtype=torch.float32, device="cpu")
+    assert type(loaded).__name__ == "Qwen3ForCausalLM" and loaded.config.mask_token_id == TINY_MASK_ID
+
+
+def test_offline_hub_id_and_missing_paths_give_clear_errors(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="not in the local Hugging Face cache"):
+        refusion.load("GSAI-ML/ReFusion")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        refusion.load("./no/such/model")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        refusion.load("missing.gguf")
+    with pytest.raises(ValueError, match="not a torch dtype"):
+        refusion.load("smollm2", dtype="float12")
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_loads_as_plain_model_with_im_end_eos():
+    model, tokenizer = refusion.load("smollm2", dtype=torch.float32, device="cpu")
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in (
+        [model.generation_config.eos_token_id] if isinstance(model.generation_config.eos_token_id, int)
+        else model.generation_config.eos_token_id)
+    assert getattr(model.config, "quantization_config", None) is None
+    ids = refusion.encode_prompts(tokenizer, ["What is 12 times 7?"])
+    out = refusion.generate(model, ids, max_new_tokens=48, strategy="autoregressive")
+    assert out.stats.per_sequence[0].finish_reason == "eos"  # the turn ends with <|im_end|>
