@@ -54,5 +54,5 @@ def test_smollm2_gguf_loads_as_plain_model_with_im_end_eos():
         else model.generation_config.eos_token_id)
     assert getattr(model.config, "quantization_config", None) is None
     ids = refusion.encode_prompts(tokenizer, ["What is 12 times 7?"])
-    out = refusion.generate(model, ids, max_new_tokens=48, strategy="autoregressive")
+    out = refusion.generate(model, ids, max_new_tokens=160, strategy="autoregressive")
     assert out.stats.per_sequence[0].finish_reason == "eos"  # the turn ends with <|im_end|>

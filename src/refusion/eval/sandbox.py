@@ -20,6 +20,7 @@ before `run_program` returns.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import secrets
@@ -211,13 +212,15 @@ def _run_in(root: str, code: str, limits: SandboxLimits) -> ExecResult:
         _kill_all(proc, marker, uid)
         seconds = time.perf_counter() - start
         stdout, stderr = _tail(out), _tail(err)
-    return ExecResult(_status(returncode, timed_out, nonce in stdout), returncode, seconds,
+    return ExecResult(_status(returncode, timed_out, nonce in stdout, stderr), returncode, seconds,
                       stdout.replace(nonce, "").rstrip("\n"), stderr)
 
 
-def _status(returncode: int | None, timed_out: bool, finished: bool) -> str:
+def _status(returncode: int | None, timed_out: bool, finished: bool, stderr: str) -> str:
     if timed_out:
         return "timeout"
+    if "[Errno 27] File too large" in stderr:  # Python ignores SIGXFSZ: the write fails instead
+        return "output_limit"
     if returncode == 0:
         return "passed" if finished else "exited_early"
     if returncode is not None and returncode < 0:
@@ -271,6 +274,9 @@ def _leftovers(marker: str, uid: int | None) -> list[int]:
         if pid == me:
             continue
         try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[-1].split()[0] in (b"Z", b"X"):  # dead, waiting to be reaped
+                    continue
             if uid is not None and os.stat(f"/proc/{pid}").st_uid == uid:
                 found.append(pid)
                 continue
@@ -284,20 +290,16 @@ def _leftovers(marker: str, uid: int | None) -> list[int]:
 
 def _kill_all(proc: subprocess.Popen, marker: str, uid: int | None) -> None:
     for target in (lambda: os.killpg(proc.pid, signal.SIGKILL), proc.kill):
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
             target()
-        except (ProcessLookupError, PermissionError, OSError):
-            pass
     proc.wait()
     for _ in range(200):  # a fork bomb may still be forking: repeat until nothing is left
         pids = _leftovers(marker, uid)
         if not pids:
             return
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
         time.sleep(0.01)
 
 

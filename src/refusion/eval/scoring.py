@@ -125,7 +125,7 @@ def normalize_math_answer(s: str) -> str:
     s = s.replace("\\left", "").replace("\\right", "")
     s = s.replace("^{\\circ}", "").replace("^\\circ", "")
     s = s.replace("\\$", "").replace("$", "")
-    s = re.sub(r"\\text\{\s*[a-zA-Z ]*\}$", "", s).strip()  # trailing units: "5 \text{ cm}"
+    s = re.sub(r"^(.*?\S)\s*\\text\{\s*[a-zA-Z ]*\}$", r"\1", s).strip()  # trailing units: "5 \text{ cm}"
     s = _strip_text_wrappers(s)
     s = s.replace("\\%", "").replace("%", "")
     s = s.replace(" .", " 0.").replace("{.", "{0.")
@@ -148,6 +148,8 @@ def math_equal(prediction: str | None, reference: str) -> bool:
     if prediction is None:
         return False
     a, b = normalize_math_answer(prediction), normalize_math_answer(reference)
+    if not a:
+        return False
     if a == b:
         return True
     x, y = parse_number(a), parse_number(b)
