@@ -13,6 +13,7 @@ import sys
 # module path of each subcommand's `add_parser`, in the order `--help` lists them
 SUBCOMMANDS = [
     "refusion.decode.cli",
+    "refusion.train.cli",
     "refusion.eval.cli",
 ]
 

@@ -103,7 +103,8 @@ class SlotCache:
     def begin_forward(self, groups: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Reserve columns for a forward of new tokens and return its 4D attention mask.
 
-        groups, positions: [B, T] (group PADDING for padding tokens). Returns [B, 1, T, used + T].
+        groups, positions: [B, T] (group PADDING for padding tokens). Returns [B, 1, T, used + T], or None
+        when every query may see every key.
         """
         width = groups.shape[1]
         self._make_room(width)
@@ -120,9 +121,11 @@ class SlotCache:
         self.used += self._pending_width
         self._pending_width = 0
 
-    def _attention_mask(self, groups: torch.Tensor) -> torch.Tensor:
+    def _attention_mask(self, groups: torch.Tensor) -> torch.Tensor | None:
         width = groups.shape[1]
         total = self.used + width
+        if width == 1 and bool((self.owner[:, :self.used] == CONTEXT).all()):
+            return None  # one new token per row over a hole-free context: plain attention (the AR fast path)
         owner = self.owner[:, None, :total]  # [B, 1, L]
         key_col = torch.arange(total, device=self.device)  # [L]
         query_col = self.used + torch.arange(width, device=self.device)  # [T]

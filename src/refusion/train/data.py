@@ -1,0 +1,235 @@
+"""Training data: records -> chat-templated (prompt, response + EOS) token ids (ALGORITHM.md §4 step 6).
+
+Accepted sources:
+- a JSON list or JSONL file of {"query": ..., "response": ...} records (the reference format) or
+  {"messages": [{"role", "content"}, ...]} chat records whose last message is the assistant's response;
+- the built-in train splits "gsm8k", "mbpp" (task ids 601-974) and "math", read from the shared data folder.
+
+The prompt goes through the tokenizer's chat template with the generation prompt; the response is
+followed by the turn-end token. Samples longer than the maximum length are skipped and counted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+BUILTIN_DATASETS = ("gsm8k", "mbpp", "math")
+DATA_DIR_ENV = "REFUSION_DATA_DIR"
+MBPP_TRAIN_TASK_IDS = range(601, 975)
+_SENTINEL = "zq7x9"
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One training record: the prompt messages and the response text."""
+
+    messages: tuple[dict, ...]
+    """Prompt turns ({"role", "content"}), rendered with the chat template and the generation prompt."""
+    response: str
+    """Assistant response; EOS is appended after tokenization."""
+    origin: str
+    """"file:line" (or "dataset:row") for error messages."""
+
+
+@dataclass
+class TokenizedData:
+    """Token ids of the samples kept for training, and how many were skipped as too long."""
+
+    prompts: list[torch.Tensor] = field(default_factory=list)
+    responses: list[torch.Tensor] = field(default_factory=list)
+    skipped_too_long: int = 0
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [p.numel() + r.numel() for p, r in zip(self.prompts, self.responses, strict=True)]
+
+
+# 1. where the data lives ------------------------------------------------------------------------------------
+
+def default_data_dir() -> Path:
+    """$REFUSION_DATA_DIR, else ../shared/data relative to the project root (the folder holding src/)."""
+    if os.environ.get(DATA_DIR_ENV):
+        return Path(os.environ[DATA_DIR_ENV])
+    return Path(__file__).resolve().parents[3].parent / "shared" / "data"
+
+
+def _builtin_file(name: str, data_dir: str | Path | None) -> Path:
+    root = Path(data_dir) if data_dir else default_data_dir()
+    path = root / {"gsm8k": "gsm8k/train.jsonl", "mbpp": "mbpp/mbpp.jsonl", "math": "math/train.jsonl"}[name]
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"built-in data set {name!r} needs {path}, which does not exist; pass --data-dir with the folder "
+            f"holding gsm8k/, mbpp/ and math/ (or set {DATA_DIR_ENV})"
+        )
+    return path
+
+
+def check_sources(sources: tuple[str, ...], data_dir: str | Path | None = None) -> None:
+    """Fail fast (before any model is loaded) on a --data value that is neither a file nor a built-in set."""
+    for source in sources:
+        if source in BUILTIN_DATASETS and not Path(source).exists():
+            _builtin_file(source, data_dir)
+        elif not Path(source).is_file():
+            raise FileNotFoundError(f"data file {source} does not exist (built-in data sets: "
+                                    f"{', '.join(BUILTIN_DATASETS)})")
+
+
+# 2. reading records -----------------------------------------------------------------------------------------
+
+def read_json_records(path: str | Path) -> Iterator[tuple[str, dict]]:
+    """(origin, record) of a JSON list or JSONL file; a line or record that does not parse is a ValueError."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data file {path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+        for i, record in enumerate(records):
+            yield f"{path}: record {i + 1}", record
+        return
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield f"{path}:{number}", json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+
+
+def to_conversation(record, origin: str) -> Conversation:
+    """A {"query", "response"} or {"messages": [...]} record as a Conversation (ValueError names `origin`)."""
+    if isinstance(record, dict) and "messages" in record:
+        return _chat_conversation(record["messages"], origin)
+    if isinstance(record, dict) and isinstance(record.get("query"), str) and isinstance(record.get("response"), str):
+        return Conversation(({"role": "user", "content": record["query"]},), record["response"], origin)
+    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+    raise ValueError(f"{origin}: expected a record with string fields \"query\" and \"response\", or \"messages\"; "
+                     f"got {keys}")
+
+
+def _chat_conversation(messages, origin: str) -> Conversation:
+    ok = (isinstance(messages, list) and len(messages) >= 2
+          and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                  for m in messages))
+    if not ok:
+        raise ValueError(f"{origin}: \"messages\" must be a list of at least 2 {{\"role\", \"content\"}} strings")
+    if messages[-1]["role"] != "assistant":
+        raise ValueError(f"{origin}: the last message must have role \"assistant\" (the response), "
+                         f"got {messages[-1]['role']!r}")
+    return Conversation(tuple(messages[:-1]), messages[-1]["content"], origin)
+
+
+def builtin_conversations(name: str, data_dir: str | Path | None = None) -> Iterator[Conversation]:
+    """The train split of a built-in data set, formatted as user question -> worked answer."""
+    path = _builtin_file(name, data_dir)
+    for origin, row in read_json_records(path):
+        if name == "mbpp" and row["task_id"] not in MBPP_TRAIN_TASK_IDS:
+            continue
+        query, response = _format_builtin(name, row)
+        yield Conversation(({"role": "user", "content": query},), response, origin)
+
+
+def _format_builtin(name: str, row: dict) -> tuple[str, str]:
+    if name == "gsm8k":
+        return row["question"], re.sub(r"<<[^>]*>>", "", row["answer"])  # drop calculator annotations
+    if name == "math":
+        return row["problem"], row["solution"]
+    tests = "\n".join(row["test_list"])
+    code = row["code"].replace("\r\n", "\n").strip()
+    return (f"{row['text']}\nYour code should pass these tests:\n\n{tests}", f"```python\n{code}\n```")
+
+
+def load_conversations(source: str, data_dir: str | Path | None = None,
+                       max_samples: int | None = None) -> list[Conversation]:
+    """Conversations of one --data value: a built-in name (when no such file exists) or a JSON / JSONL file."""
+    if source in BUILTIN_DATASETS and not Path(source).exists():
+        records = builtin_conversations(source, data_dir)
+    else:
+        records = (to_conversation(record, origin) for origin, record in read_json_records(source))
+    out = []
+    for conversation in records:
+        if max_samples is not None and len(out) >= max_samples:
+            break
+        out.append(conversation)
+    if not out:
+        raise ValueError(f"data source {source!r} holds no records")
+    return out
+
+
+# 3. tokenization --------------------------------------------------------------------------------------------
+
+def response_eos_id(tokenizer, eos_token: str | None = None) -> int:
+    """Id of the token that ends a response: `eos_token` if given, else the special token the chat template puts
+    right after an assistant turn (e.g. <|im_end|>), else the tokenizer's EOS."""
+    if eos_token is not None:
+        if eos_token not in tokenizer.get_vocab():
+            raise ValueError(f"eos_token={eos_token!r} is not in the tokenizer's vocabulary")
+        return tokenizer.convert_tokens_to_ids(eos_token)
+    turn_end = _chat_turn_end_id(tokenizer)
+    if turn_end is not None:
+        return turn_end
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no EOS token and no chat template turn end; pass eos_token")
+    return tokenizer.eos_token_id
+
+
+def _chat_turn_end_id(tokenizer) -> int | None:
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _SENTINEL}], tokenize=False)
+    after = text.split(_SENTINEL, 1)[-1].lstrip()
+    ids = tokenizer(after, add_special_tokens=False).input_ids if after else []
+    special = set(tokenizer.all_special_ids)
+    special |= {i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special}
+    return ids[0] if ids and ids[0] in special else None
+
+
+def render_prompt(tokenizer, messages: tuple[dict, ...]) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template; training prompts are rendered with it (§4 step 6)")
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+
+
+def tokenize_conversations(conversations: list[Conversation], tokenizer, *, eos_id: int, max_length: int,
+                           reserved: int = 0) -> TokenizedData:
+    """Chat-templated prompt ids and response ids + EOS; samples longer than max_length - reserved are skipped."""
+    prompts = tokenizer([render_prompt(tokenizer, c.messages) for c in conversations],
+                        add_special_tokens=False).input_ids
+    responses = tokenizer([c.response for c in conversations], add_special_tokens=False).input_ids
+    data = TokenizedData()
+    for prompt, response in zip(prompts, responses, strict=True):
+        if len(prompt) + len(response) + 1 + reserved > max_length:
+            data.skipped_too_long += 1
+            continue
+        data.prompts.append(torch.tensor(prompt, dtype=torch.long))
+        data.responses.append(torch.tensor(response + [eos_id], dtype=torch.long))
+    return data
+
+
+def load_training_data(sources: tuple[str, ...], tokenizer, *, eos_id: int, max_length: int, reserved: int = 0,
+                       data_dir: str | Path | None = None, max_samples: int | None = None) -> TokenizedData:
+    """All sources, in order, tokenized; raises ValueError when nothing fits in max_length."""
+    data = TokenizedData()
+    for source in sources:
+        part = tokenize_conversations(load_conversations(source, data_dir, max_samples), tokenizer, eos_id=eos_id,
+                                      max_length=max_length, reserved=reserved)
+        data.prompts += part.prompts
+        data.responses += part.responses
+        data.skipped_too_long += part.skipped_too_long
+    if not data.prompts:
+        raise ValueError(f"all {data.skipped_too_long} samples are longer than max_length={max_length}")
+    return data

@@ -1,0 +1,139 @@
+"""Training runs on a tiny model: the loss goes down, the output is a standard HF directory, LoRA,
+metrics, output-directory safety, kill-and-resume equivalence, and a two-process run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from refusion.train.config import TrainConfig
+from refusion.train.trainer import list_checkpoints, train
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def _config(tiny_dir, data_file, output, **changes):
+    values = dict(model=str(tiny_dir), data=(str(data_file),), output=str(output), batch_size=4, lr=3e-3,
+                  max_length=128, save_every=0, num_workers=0, mixed_precision="no", seed=0)
+    return TrainConfig(**{**values, **changes})
+
+
+def _metrics(output):
+    return [json.loads(line) for line in (Path(output) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_training_lowers_the_loss_and_writes_a_standard_model(tiny_dir, data_file, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    result = train(_config(tiny_dir, data_file, tmp_path / "out", max_steps=30))
+    metrics = _metrics(tmp_path / "out")
+    assert [m["step"] for m in metrics] == list(range(1, 31))
+    assert {"step", "loss", "loss_ar", "loss_mdm", "lr", "epoch", "tokens"} <= set(metrics[0])
+    first, last = sum(m["loss"] for m in metrics[:5]) / 5, sum(m["loss"] for m in metrics[-5:]) / 5
+    assert last < 0.5 * first, (first, last)
+    assert metrics[-1]["lr"] == pytest.approx(0.0, abs=1e-9)  # cosine to zero
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert model.config.mask_token_id == 63
+    assert AutoTokenizer.from_pretrained(tmp_path / "out").convert_tokens_to_ids("<|mask|>") == 63
+    summary = json.loads((tmp_path / "out" / "refusion_train.json").read_text())
+    assert summary["finished"] and summary["steps"] == 30 and summary["ranks_in_sync"]
+    assert result.num_samples == 64 and result.skipped_too_long == 0
+    import refusion
+
+    loaded, _ = refusion.load(str(tmp_path / "out"), dtype=torch.float32, device="cpu")
+    assert loaded.config.mask_token_id == 63
+
+
+def test_grad_accum_and_log_every(tiny_dir, data_file, tmp_path):
+    train(_config(tiny_dir, data_file, tmp_path / "a", max_steps=4, grad_accum=3, log_every=2,
+                  objective="ar", logits_on_labels=False, bucket_by_length=True))
+    metrics = _metrics(tmp_path / "a")
+    assert [m["step"] for m in metrics] == [2, 4]
+    assert all(m["loss_mdm"] == 0 for m in metrics)  # the AR baseline has no masked tokens
+    assert metrics[0]["epoch"] == pytest.approx(2 * 3 / 16)
+
+
+def test_output_directory_is_never_clobbered(tiny_dir, data_file, tmp_path):
+    out = tmp_path / "out"
+    train(_config(tiny_dir, data_file, out, max_steps=2, save_every=1))
+    before = (out / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="already holds a trained model"):
+        train(_config(tiny_dir, data_file, out, max_steps=2))
+    with pytest.raises(ValueError, match="holds checkpoints of an earlier run"):
+        train(_config(tiny_dir, data_file, out, max_steps=2, overwrite=True))
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        train(_config(tiny_dir, data_file, out, max_steps=2, resume=str(tmp_path)))
+    assert (out / "model.safetensors").read_bytes() == before and len(list_checkpoints(out)) == 2
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_kill_and_resume_reaches_the_same_state(tiny_dir, data_file, tmp_path):
+    from safetensors.torch import load_file
+
+    common = dict(max_steps=8, save_every=3, grad_accum=2, batch_size=2)
+    train(_config(tiny_dir, data_file, tmp_path / "straight", **common))
+
+    def kill_after_step_5(metrics):
+        if metrics["step"] == 5:
+            raise _Killed
+
+    with pytest.raises(_Killed):
+        train(_config(tiny_dir, data_file, tmp_path / "resumed", **common), on_step=kill_after_step_5)
+    assert [p.name for p in list_checkpoints(tmp_path / "resumed")] == ["step-0000003"]
+    train(_config(tiny_dir, data_file, tmp_path / "resumed", resume="latest", **common))
+
+    a = load_file(tmp_path / "straight" / "model.safetensors")
+    b = load_file(tmp_path / "resumed" / "model.safetensors")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)
+    ma, mb = _metrics(tmp_path / "straight"), _metrics(tmp_path / "resumed")
+    assert [m["step"] for m in mb] == list(range(1, 9))  # steps 4-5 of the killed run moved aside
+    assert [m["loss"] for m in ma] == [m["loss"] for m in mb]
+    assert len((tmp_path / "resumed" / "metrics.discarded.jsonl").read_text().splitlines()) == 2
+
+
+def test_lora_trains_adapter_and_mask_row_and_merges(tiny_dir, data_file, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    train(_config(tiny_dir, data_file, tmp_path / "lora", max_steps=3, lora=True, lora_rank=4, lr=1e-2))
+    assert (tmp_path / "lora" / "adapter" / "adapter_config.json").is_file()
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "lora")
+    assert merged.config.mask_token_id == 63
+    emb_base, emb = base.get_input_embeddings().weight, merged.get_input_embeddings().weight
+    assert not torch.allclose(emb[63], emb_base[63])  # the mask row is trained
+    torch.testing.assert_close(emb[:63], emb_base[:63])  # the other rows are frozen
+    q_base = base.model.layers[0].self_attn.q_proj.weight
+    assert not torch.allclose(merged.model.layers[0].self_attn.q_proj.weight, q_base)  # LoRA merged in
+
+
+def _run(argv, env_extra=None, timeout=300):
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_two_process_cpu_run(tiny_dir, data_file, tmp_path):
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    out, trace = tmp_path / "ddp", tmp_path / "trace"
+    proc = _run([torchrun, "--nproc_per_node", "2", "--master_port", "29533", "-m", "refusion.train.cli",
+                 "--model", str(tiny_dir), "--data", str(data_file), "--output", str(out), "--max-steps", "4",
+                 "--batch-size", "4", "--num-workers", "0", "--save-every", "2", "--lr", "3e-3"],
+                env_extra={"REFUSION_TRAIN_TRACE": str(trace)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = [[i for line in (trace / f"rank{r}.jsonl").read_text().splitlines() for i in json.loads(line)["samples"]]
+            for r in range(2)]
+    assert len(seen[0]) == len(seen[1]) == 16 and not set(seen[0]) & set(seen[1])  # different data
+    summary = json.loads((out / "refusion_train.json").read_text())
+    assert summary["processes"] == 2 and summary["ranks_in_sync"]  # the model stays in sync
+    assert [m["step"] for m in _metrics(out)] == [1, 2, 3, 4]
+    assert (out / "checkpoints" / "step-0000004" / "trainer_state.json").is_file()
