@@ -15,6 +15,7 @@ SUBCOMMANDS = [
     "refusion.decode.cli",
     "refusion.train.cli",
     "refusion.eval.cli",
+    "refusion.viz.cli",
 ]
 
 

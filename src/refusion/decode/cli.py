@@ -62,6 +62,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--system", default=None, help="system message for the chat template")
     p.add_argument("--stats", action="store_true", help="print tokens, forwards, tokens/forward and tokens/s")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.add_argument("--trace", metavar="PATH", default=None,
+                   help="save the decoding trace (every round of every prompt, one file) as JSON; "
+                        "render it with `refusion trace PATH`")
+    p.add_argument("--show", action="store_true", help="watch the canvas fill in, round by round (on stderr)")
     p.set_defaults(func=run)
 
 
@@ -76,9 +80,22 @@ def run(args: argparse.Namespace) -> int:
         from refusion.model.embedded import default_decode_settings_or_none
         base = default_decode_settings_or_none() or {}
     cfg = decode_config_from_args(args, base)  # validated before the model loads
+    if args.trace:
+        from refusion.viz.schema import check_writable
+        check_writable(args.trace)
     model, tokenizer = refusion.load(args.model, dtype=args.dtype, device=args.device)
     input_ids = refusion.encode_prompts(tokenizer, prompts, chat=not args.no_chat, system=args.system)
-    out = refusion.generate(model, input_ids, cfg)
+    if args.show:
+        from refusion.viz.terminal import LiveView
+        with LiveView(tokenizer, prompts) as view:
+            out = refusion.generate(model, input_ids, cfg, trace=bool(args.trace), on_round=view)
+            view.finish(out)
+    else:
+        out = refusion.generate(model, input_ids, cfg, trace=bool(args.trace))
+    if args.trace:
+        from refusion.viz.schema import build_trace, save_trace
+        doc = build_trace(out, tokenizer, prompts, input_ids, cfg, model=args.model or "(embedded)")
+        save_trace(doc, args.trace)
     for i, (prompt, tokens) in enumerate(zip(prompts, out.sequences)):
         text = tokenizer.decode(tokens, skip_special_tokens=True)
         stats = out.stats.per_sequence[i]

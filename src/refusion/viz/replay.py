@@ -1,0 +1,148 @@
+"""Replay a trace into frames: the state of the response canvas after each round.
+
+Every renderer (terminal, HTML, GIF) draws these frames, so they all agree on what a round did. A frame
+holds one `Cell` per response position of the sequence's layout; positions of blocks not reached yet are
+"hidden", positions a finished sequence never committed (after EOS) are "dropped".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from refusion.viz.schema import HOWS, RoundRecord, SequenceTrace
+
+MASKED, HIDDEN, DROPPED = "masked", "hidden", "dropped"
+HOW_LABELS = {"fast_accept": "fast accept", "parallel_completion": "parallel completion",
+              "autoregressive": "autoregressive"}
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One response position in one frame."""
+
+    state: str
+    """"masked", "hidden", "dropped", or how it was committed (one of schema.HOWS)."""
+    text: str = ""
+    """Committed token text ("" while not committed)."""
+    round: int | None = None
+    """Round that committed it."""
+    slot: int | None = None
+    """Offset (in the response) of the slot it was committed with."""
+    score: float | None = None
+    """Planning score of that slot in that round."""
+    draft: str | None = None
+    """What the plan step drafted for this position in that round (parallel completion may change it)."""
+
+
+@dataclass
+class Frame:
+    """The canvas after one round."""
+
+    round: RoundRecord
+    cells: list[Cell]
+    """One per response position of the layout (index = offset in the response)."""
+    planned: dict[int, tuple[int, str, float | None]] = field(default_factory=dict)
+    """Offset -> (slot offset, draft text, slot score) for every position planned this round."""
+    committed: set[int] = field(default_factory=set)
+    """Offsets committed this round."""
+    tokens: int = 0
+    """Response tokens committed so far."""
+    forwards: int = 0
+    """Forward passes so far."""
+
+
+def layout_length(seq: SequenceTrace, block_size: int) -> int:
+    """Response positions any frame shows: up to the end of the last block touched (AR: last token)."""
+    end = 0
+    for rnd in seq.rounds:
+        end = max(end, _visible_end(seq, rnd, block_size))
+    return min(end, seq.canvas_length)
+
+
+def _visible_end(seq: SequenceTrace, rnd: RoundRecord, block_size: int) -> int:
+    ends = [s.start + len(s.tokens) - seq.prompt_length for s in rnd.committed + rnd.planned]
+    if rnd.how != "autoregressive":
+        ends.append((rnd.block + 1) * block_size)
+    return min(max(ends, default=0), seq.canvas_length)
+
+
+class Replay:
+    """The canvas of one sequence, advanced one round at a time (`step`); the live view uses it directly.
+
+    With `length` (from `layout_length`) every frame has the same cells; without it, the canvas grows
+    as blocks are reached.
+    """
+
+    def __init__(self, seq: SequenceTrace, settings: dict, length: int | None = None):
+        self.seq, self.fixed = seq, length is not None
+        self.block_size = int(settings.get("block_size") or settings.get("slot_size") or 1)
+        self.cells: list[Cell] = [Cell(HIDDEN)] * (length or 0)
+        self.visible = self.tokens = self.forwards = 0
+
+    def step(self, rnd: RoundRecord) -> Frame:
+        p = self.seq.prompt_length
+        self.visible = max(self.visible, _visible_end(self.seq, rnd, self.block_size))
+        if not self.fixed and len(self.cells) < self.visible:
+            self.cells += [Cell(HIDDEN)] * (self.visible - len(self.cells))
+        cells = [Cell(MASKED) if c.state == HIDDEN and i < self.visible else c for i, c in enumerate(self.cells)]
+        scores = {s.start: s.score for s in rnd.planned}
+        planned = {s.start - p + j: (s.start - p, text, s.score) for s in rnd.planned for j, text in enumerate(s.texts)}
+        committed = set()
+        for s in rnd.committed:
+            for j, text in enumerate(s.texts):
+                i = s.start - p + j
+                if i < len(cells):
+                    draft = planned.get(i, (None, None, None))[1]
+                    cells[i] = Cell(rnd.how, text, rnd.index, s.start - p, scores.get(s.start), draft)
+                    committed.add(i)
+                    self.tokens += 1
+        if rnd.finished:
+            cells = [Cell(DROPPED) if c.state in (MASKED, HIDDEN) else c for c in cells]
+        self.cells = cells
+        self.forwards += rnd.forwards
+        return Frame(rnd, cells, planned, committed, self.tokens, self.forwards)
+
+
+def frames(seq: SequenceTrace, settings: dict) -> list[Frame]:
+    """One frame per round of the sequence, all with the same cells (the layout of the whole run)."""
+    block_size = int(settings.get("block_size") or settings.get("slot_size") or 1)
+    replay = Replay(seq, settings, layout_length(seq, block_size))
+    return [replay.step(rnd) for rnd in seq.rounds]
+
+
+def final_texts(seq: SequenceTrace, settings: dict) -> list[str]:
+    """Text each layout position ends with ("" where nothing was committed): renderers size cells by it."""
+    all_frames = frames(seq, settings)
+    if not all_frames:
+        return []
+    return [c.text for c in all_frames[-1].cells]
+
+
+def display_text(text: str, newline: str = "↵") -> str:
+    """A token's text made visible on one line (newline -> ↵, tab -> ⇥, empty -> ∅)."""
+    if text == "":
+        return "∅"
+    return text.replace("\r", "").replace("\n", newline).replace("\t", "⇥")
+
+
+def round_counts(seq: SequenceTrace) -> dict[str, dict[str, int]]:
+    """Per way of committing: rounds and tokens."""
+    counts = {how: {"rounds": 0, "tokens": 0} for how in HOWS}
+    for rnd in seq.rounds:
+        counts[rnd.how]["rounds"] += 1
+        counts[rnd.how]["tokens"] += sum(len(s.tokens) for s in rnd.committed)
+    return counts
+
+
+def describe_round(seq: SequenceTrace, rnd: RoundRecord, total: int | None = None) -> str:
+    """One line: "round 3/9 · block 1 · parallel completion · planned @8 @12 · committed 8 tokens · 6 fwd"."""
+    p = seq.prompt_length
+    planned = " ".join(f"@{s.start - p}" for s in rnd.planned)
+    tokens = sum(len(s.tokens) for s in rnd.committed)
+    parts = [f"round {rnd.index + 1}" + (f"/{total}" if total else ""), f"block {rnd.block}", HOW_LABELS[rnd.how]]
+    if planned:
+        parts.append(f"planned {planned}")
+    parts += [f"committed {tokens} token{'s' * (tokens != 1)}", f"{rnd.forwards} fwd"]
+    if rnd.finished:
+        parts.append("EOS")
+    return " · ".join(parts)

@@ -1,0 +1,92 @@
+"""Renderers on a hand-built trace: frames (replay), GIF, HTML page, terminal views."""
+
+import io
+import json
+import re
+from types import SimpleNamespace
+
+from rich.console import Console
+
+from refusion.viz.replay import frames
+
+
+def states(frame) -> str:
+    return "".join({"hidden": "h", "masked": "m", "dropped": "x", "fast_accept": "f",
+                    "parallel_completion": "p", "autoregressive": "a"}[c.state] for c in frame.cells)
+
+
+def test_replay_frames(trace_doc, ar_doc):
+    seq = trace_doc.sequences[0]
+    got = frames(seq, trace_doc.settings)
+    assert [states(f) for f in got] == ["ffffmmmmhhhhhhhh", "ffffpppphhhhhhhh", "ffffppppppppxxxx"]
+    assert got[0].committed == {0, 1, 2, 3} and got[0].planned[4] == (4, "c", 0.93)
+    assert [f.tokens for f in got] == [4, 8, 12] and got[-1].forwards == 11
+    cat = got[1].cells[5]
+    assert (cat.text, cat.round, cat.slot, cat.score, cat.draft) == ("a", 1, 4, 0.81, "o")
+    ar = frames(ar_doc.sequences[0], ar_doc.settings)
+    assert [states(f) for f in ar] == ["ahhhh", "aahhh", "aaahh", "aaaah", "aaaaa"]
+
+
+def _has_colour(image, rgb) -> bool:
+    return any(count for count, colour in image.getcolors(1 << 16) if colour == rgb)
+
+
+def test_gif_one_frame_per_round(tmp_path, trace_doc, ar_doc):
+    from PIL import Image
+
+    from refusion.viz.gif import COLOURS, render_frames, save_gif
+
+    images = render_frames(trace_doc)
+    assert len(images) == 3  # the longest sequence has 3 rounds, the other holds its last frame
+    fast, parallel = COLOURS["fast_accept"], COLOURS["parallel_completion"]
+    assert _has_colour(images[0], fast[1]) and not _has_colour(images[0], parallel[0])
+    assert _has_colour(images[2], fast[0]) and _has_colour(images[2], parallel[1])
+    assert len(render_frames(trace_doc, [1])) == 2
+    path = save_gif(ar_doc, tmp_path / "ar.gif", frame_ms=100)
+    with Image.open(path) as gif:
+        assert gif.n_frames == 5 and gif.info["loop"] == 0
+        assert gif.size[0] == 960 and gif.size[1] > 100
+
+
+def test_html_is_self_contained(tmp_path, trace_doc):
+    from refusion.viz.html import save_html
+
+    trace_doc.sequences[0].prompt = "</script><b>hi</b> & <!--"
+    page = save_html(trace_doc, tmp_path / "t.html").read_text()
+    assert page.count("</script>") == 2 and "<b>hi</b>" not in page
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", page) and "@import" not in page
+    raw = re.search(r'<script type="application/json" id="trace-data">(.*?)</script>', page, re.S).group(1)
+    data = json.loads(raw)
+    assert data["sequences"][0]["prompt"] == "</script><b>hi</b> & <!--"
+    seq = data["sequences"][0]
+    assert [f["states"] for f in seq["frames"]] == ["ffffmmmmhhhhhhhh", "ffffpppphhhhhhhh", "ffffppppppppxxxx"]
+    assert seq["frames"][0]["planned"]["4"] == [4, "c", 0.93] and seq["cells"][4]["how"] == "parallel_completion"
+    assert len(data["sequences"]) == 2 and len(data["sequences"][1]["frames"]) == 2
+
+
+def test_terminal_summary_and_live_view(trace_doc):
+    import refusion
+    from refusion.decode.outputs import RoundTrace, SlotEvent
+    from refusion.model.tiny import tiny_tokenizer
+    from refusion.viz.terminal import LiveView, print_trace
+
+    buffer = io.StringIO()
+    print_trace(trace_doc, Console(file=buffer, width=160))
+    text = buffer.getvalue()
+    assert "the cat sat<|im_end|>" in text and "fast accept 1 rounds / 4 tokens" in text
+    assert "@4:0.93" in text and text.count("tell me about cats") == 1
+
+    tokenizer = tiny_tokenizer()
+    buffer = io.StringIO()
+    cfg = refusion.DecodeConfig(max_new_tokens=8, slot_size=4, block_size=8)
+    seq = SimpleNamespace(id=0, prompt_length=3, cfg=cfg)
+    enc = tokenizer.convert_tokens_to_ids
+    with LiveView(tokenizer, ["hey"], console=Console(file=buffer, width=100)) as view:
+        view(seq, RoundTrace(0, 0, [3, 7], [SlotEvent(3, enc(list("abcd")), 0.9), SlotEvent(7, enc(list("wxyz")), 0.8)],
+                             [SlotEvent(3, enc(list("abcd")))], "fast_accept", 2))
+        view(seq, RoundTrace(1, 0, [7], [SlotEvent(7, enc(list("efgh")), 0.7)], [SlotEvent(7, enc(list("efgh")))],
+                             "parallel_completion", 4, True))
+        stats = refusion.SequenceStats(tokens=8, forwards=6, rounds=2, seconds=0.1, finish_reason="eos")
+        view.finish(SimpleNamespace(stats=SimpleNamespace(per_sequence=[stats])))
+    text = buffer.getvalue()
+    assert "abcdefgh" in text and "tokens 8 · rounds 2 · forwards 6" in text and "hey" in text
