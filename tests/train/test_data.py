@@ -96,7 +96,10 @@ def test_builtin_train_splits(name, rows):
     first = conversations[0]
     assert first.messages[0]["role"] == "user" and first.response
     if name == "gsm8k":
-        assert "<<" not in first.response and "####" in first.response
+        assert "<<" not in first.response and first.response.endswith("The final answer is $\\boxed{72}$.")
+    if name in ("gsm8k", "math"):  # the prompt format `refusion eval` uses for the same task
+        from refusion.eval.tasks import BOXED_INSTRUCTION
+        assert first.messages[0]["content"].endswith(BOXED_INSTRUCTION)
     if name == "mbpp":
         assert "Your code should pass these tests" in first.messages[0]["content"]
         assert first.response.startswith("```python\n")

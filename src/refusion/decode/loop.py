@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Callable, Sequence as SequenceABC
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceABC
 
 import torch
 
@@ -61,7 +62,7 @@ class Decoder:
         requests = [self.live[i][1] for i in order]
         logits = self._forward(requests)
         finished = []
-        for seq_id, request, seq_logits in zip(order, requests, logits):
+        for seq_id, seq_logits in zip(order, logits):
             seq = self.live[seq_id][0]
             seq.stats.forwards += 1
             try:

@@ -143,13 +143,18 @@ def builtin_conversations(name: str, data_dir: str | Path | None = None) -> Iter
 
 
 def _format_builtin(name: str, row: dict) -> tuple[str, str]:
+    """(prompt, response) in the prompt format `refusion eval` uses for the same task, so that a model
+    fine-tuned on a built-in split is evaluated on the format it learned."""
+    from refusion.eval.tasks import BOXED_INSTRUCTION, mbpp_prompt
+
     if name == "gsm8k":
-        return row["question"], re.sub(r"<<[^>]*>>", "", row["answer"])  # drop calculator annotations
+        rationale, _, final = re.sub(r"<<[^>]*>>", "", row["answer"]).rpartition("####")  # drop calculator notes
+        return (f"{row['question']}\n{BOXED_INSTRUCTION}",
+                f"{rationale.rstrip()}\nThe final answer is $\\boxed{{{final.strip()}}}$.")
     if name == "math":
-        return row["problem"], row["solution"]
-    tests = "\n".join(row["test_list"])
+        return f"{row['problem']}\n{BOXED_INSTRUCTION}", row["solution"]
     code = row["code"].replace("\r\n", "\n").strip()
-    return (f"{row['text']}\nYour code should pass these tests:\n\n{tests}", f"```python\n{code}\n```")
+    return mbpp_prompt(row["text"], row["test_list"]), f"```python\n{code}\n```"
 
 
 def load_conversations(source: str, data_dir: str | Path | None = None,

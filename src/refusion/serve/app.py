@@ -1,0 +1,436 @@
+"""The OpenAI-compatible HTTP API: `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`.
+
+`create_app(model, tokenizer, ...)` builds a FastAPI app around one `Scheduler` (the decoding thread).
+A request is handled in four phases: 1. validate the body (pydantic, `schemas.py`), 2. build its decoding
+settings (server defaults < request fields < the `"refusion"` extension object) and token ids, 3. submit
+its jobs to the scheduler, 4. relay the scheduler's events, as server-sent events when `stream` is true,
+else collected into one response. Every error is an OpenAI-style body `{"error": {...}}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from refusion.config import DecodeConfig
+from refusion.serve.scheduler import Event, Job, QueueFull, Scheduler, SchedulerStopped
+from refusion.serve.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    UnsupportedValue,
+    error_body,
+    new_id,
+    now,
+)
+
+log = logging.getLogger("refusion.serve")
+
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+               413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+RETRY_AFTER_SECONDS = 1
+DISCONNECT_POLL_SECONDS = 0.25
+
+
+class ApiError(Exception):
+    """An error answered with an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+    def response(self) -> JSONResponse:
+        body = error_body(self.message, type=ERROR_TYPES.get(self.status, "invalid_request_error"),
+                          param=self.param, code=self.code)
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+@dataclass
+class Server:
+    """What the handlers share."""
+
+    model: object
+    tokenizer: object
+    config: DecodeConfig
+    """Server defaults; each request may override fields."""
+    model_name: str
+    scheduler: Scheduler
+    created: int
+
+    @property
+    def context_length(self) -> int | None:
+        return getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+
+
+def create_app(model, tokenizer, *, config: DecodeConfig | None = None, model_name: str = "refusion",
+               max_batch_size: int = 8, max_queue: int = 64) -> FastAPI:
+    """A FastAPI app serving `model`; its scheduler thread starts and stops with the app (lifespan)."""
+    config = config or DecodeConfig()
+    _check_model_fits(model, config)
+    scheduler = Scheduler(model, tokenizer, max_batch_size=max_batch_size, max_queue=max_queue)
+    server = Server(model, tokenizer, config, model_name, scheduler, now())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        scheduler.start()
+        try:
+            yield
+        finally:
+            scheduler.stop()
+
+    app = FastAPI(title="refusion", description="OpenAI-compatible ReFusion server", lifespan=lifespan)
+    app.state.server = server
+    _add_error_handlers(app)
+    _add_routes(app, server)
+    return app
+
+
+def _check_model_fits(model, config: DecodeConfig) -> None:
+    """Fail at startup, not on the first request, when the default strategy cannot run on this model."""
+    from refusion.decode.loop import resolve_special_tokens
+    resolve_special_tokens(model, config)
+
+
+# ------------------------------------------------------------------------------------------ routes
+def _add_routes(app: FastAPI, server: Server) -> None:
+    @app.get("/health")
+    async def health():
+        status = server.scheduler.status()
+        ok = status["running"]
+        return JSONResponse({"status": "ok" if ok else "unavailable", "model": server.model_name, **status},
+                            status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [_model_card(server)]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        _check_model_name(server, name)
+        return _model_card(server)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _parse(request, ChatCompletionRequest)
+        _check_model_name(server, body.model)
+        with server.scheduler.tokenizer_lock:
+            prompts = [_encode_chat(server.tokenizer, body.chat_messages())]
+        return await _generate(server, request, body, prompts, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _parse(request, CompletionRequest)
+        _check_model_name(server, body.model)
+        with server.scheduler.tokenizer_lock:
+            prompts = [p if isinstance(p, list) else server.tokenizer(p)["input_ids"] for p in body.prompts()]
+        return await _generate(server, request, body, prompts, chat=False)
+
+
+async def _parse(request: Request, schema: type[BaseModel]):
+    """The JSON body as `schema` (whatever the Content-Type says, as curl -d sends form-encoded)."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return schema.model_validate(data)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+
+
+def _model_card(server: Server) -> dict:
+    return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "refusion",
+            "max_model_len": server.context_length}
+
+
+def _check_model_name(server: Server, name: str) -> None:
+    if name != server.model_name:
+        raise ApiError(404, f"The model `{name}` does not exist: this server serves `{server.model_name}`",
+                       param="model", code="model_not_found")
+
+
+def _encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ApiError(400, "this model has no chat template: use /v1/completions", param="messages")
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as e:  # the template itself may refuse a conversation (roles out of order, ...)
+        raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+# ------------------------------------------------------------------------------------------ generation
+async def _generate(server: Server, request: Request, body, prompts: list[list[int]], *, chat: bool):
+    # 1. decoding settings and jobs (validated before anything is queued)
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+
+    def emitter(index: int):
+        def emit(event: Event) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the server is shutting down
+                loop.call_soon_threadsafe(events.put_nowait, (index, event))
+        return emit
+
+    jobs = _build_jobs(server, body, prompts, [emitter(i) for i in range(len(prompts))])
+
+    # 2. queue them
+    try:
+        server.scheduler.submit(jobs)
+    except QueueFull as e:
+        raise ApiError(503, str(e), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+    except SchedulerStopped as e:
+        raise ApiError(503, str(e), code="unavailable") from None
+
+    # 3. relay the events
+    reply = Reply(server, body, prompts, chat)
+    if body.stream:
+        return StreamingResponse(_stream(server, jobs, events, reply), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        return await _collect(request, jobs, events, reply)
+    finally:
+        for job in jobs:
+            server.scheduler.cancel(job)  # no-op for finished jobs; frees the rows of a client that left
+
+
+def _build_jobs(server: Server, body, prompts: list[list[int]], emits) -> list[Job]:
+    from refusion.decode.loop import resolve_special_tokens, sequence_generator, validate_prompts
+
+    jobs = []
+    for index, (prompt, emit) in enumerate(zip(prompts, emits, strict=True)):
+        cfg = _request_config(server, body, len(prompt))
+        try:
+            mask_id, eos_ids = resolve_special_tokens(server.model, cfg)
+            validate_prompts(server.model, [prompt], cfg, mask_id)
+        except ValueError as e:
+            prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+            too_long_param = prompt_param if body.requested_tokens() is None else "max_tokens"
+            raise _config_error(e, prompt_param, too_long_param) from None
+        if body.refusion is not None and body.refusion.ignore_eos:
+            eos_ids = []
+        jobs.append(Job(prompt, cfg, mask_id, eos_ids, emit, stops=body.stop_strings(),
+                        generator=sequence_generator(cfg, index, None)))
+    return jobs
+
+
+def _request_config(server: Server, body, prompt_length: int) -> DecodeConfig:
+    """Server defaults, then the request's standard fields, then its `"refusion"` object."""
+    changes = {}
+    if body.requested_tokens() is not None:
+        changes["max_new_tokens"] = body.requested_tokens()
+    if body.temperature is not None:
+        changes["temperature"] = float(body.temperature)
+    if body.seed is not None:
+        changes["seed"] = body.seed
+    if body.refusion is not None:
+        changes.update(body.refusion.overrides())
+    try:
+        cfg = server.config.replace(**changes)
+    except ValueError as e:
+        raise _config_error(e, None, None) from None
+    if body.requested_tokens() is None:  # the server default may not fit after a long prompt: shorten it
+        cfg = _fit_default_length(server, cfg, prompt_length)
+    return cfg
+
+
+def _fit_default_length(server: Server, cfg: DecodeConfig, prompt_length: int) -> DecodeConfig:
+    context = server.context_length
+    if context is None:
+        return cfg
+    step = cfg.slot_size if cfg.strategy == "refusion" else 1
+    room = (context - prompt_length) // step * step
+    return cfg.replace(max_new_tokens=room) if 1 <= room < cfg.max_new_tokens else cfg
+
+
+REQUEST_NAMES = {"max_new_tokens": "max_tokens", "temperature": "temperature", "seed": "seed"}
+
+
+def _config_error(e: ValueError, prompt_param: str | None, too_long_param: str | None) -> ApiError:
+    """A DecodeConfig / engine ValueError as a 400 naming the request field."""
+    message = str(e).replace("max_new_tokens", "max_tokens")
+    match = re.match(r"(\w+)=", str(e))
+    if match:
+        field = match.group(1)
+        param = REQUEST_NAMES.get(field, f"refusion.{field}")
+    elif "mask_token_id" in str(e):
+        param = "refusion.strategy"
+        message += " (this model can only be served with strategy 'autoregressive')"
+    else:
+        param = prompt_param
+    if "exceeds the model's context" in message:
+        param = too_long_param
+    return ApiError(400, message, param=param)
+
+
+class Reply:
+    """Builds the response objects (chat or text completion, whole or chunked)."""
+
+    def __init__(self, server: Server, body, prompts: list[list[int]], chat: bool):
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created, self.model, self.chat = now(), server.model_name, chat
+        self.prompt_tokens = sum(map(len, prompts))
+        self.include_usage = body.include_usage()
+
+    def usage(self, completion_tokens: int) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens}
+
+    def choice(self, index: int, text: str, event: Event | None) -> dict:
+        finish = event.finish_reason if event else None
+        choice = {"index": index, "logprobs": None, "finish_reason": finish}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text, "refusal": None}
+        else:
+            choice["text"] = text
+        if event is not None and event.stats is not None:
+            choice["refusion"] = event.stats
+        return choice
+
+    def whole(self, choices: list[dict], completion_tokens: int) -> dict:
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "system_fingerprint": None, "choices": choices,
+                "usage": self.usage(completion_tokens)}
+
+    def chunk(self, index: int, text: str | None, event: Event | None = None, role: bool = False) -> dict:
+        choice = {"index": index, "logprobs": None, "finish_reason": event.finish_reason if event else None}
+        if self.chat:
+            choice["delta"] = ({"role": "assistant", "content": ""} if role else
+                               {} if text is None else {"content": text})
+        else:
+            choice["text"] = text or ""
+        if event is not None and event.stats is not None:
+            choice["refusion"] = event.stats
+        return self._chunk([choice])
+
+    def usage_chunk(self, completion_tokens: int) -> dict:
+        return {**self._chunk([]), "usage": self.usage(completion_tokens)}
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "system_fingerprint": None, "choices": choices}
+
+
+async def _collect(request: Request, jobs: list[Job], events: asyncio.Queue, reply: Reply) -> JSONResponse:
+    """Non-streamed: gather every job's deltas until its final event (or until the client leaves)."""
+    texts, finals = [""] * len(jobs), [None] * len(jobs)
+    next_check = loop_time() + DISCONNECT_POLL_SECONDS
+    while any(f is None for f in finals):
+        try:
+            index, event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_SECONDS)
+        except asyncio.TimeoutError:
+            index, event = None, None
+        if loop_time() >= next_check:
+            next_check = loop_time() + DISCONNECT_POLL_SECONDS
+            if await request.is_disconnected():
+                return JSONResponse(error_body("client disconnected"), status_code=499)
+        if event is None:
+            continue
+        if event.error is not None:
+            raise ApiError(500, event.error, code="decoding_failed")
+        texts[index] += event.delta
+        if event.final:
+            finals[index] = event
+    choices = [reply.choice(i, texts[i], finals[i]) for i in range(len(jobs))]
+    return JSONResponse(reply.whole(choices, sum(f.completion_tokens for f in finals)))
+
+
+async def _stream(server: Server, jobs: list[Job], events: asyncio.Queue, reply: Reply) -> AsyncIterator[str]:
+    """Streamed: one SSE chunk per delta, a last chunk per choice with its finish_reason, then [DONE].
+
+    When the client disconnects, the server cancels this generator; `finally` frees the jobs' rows.
+    """
+    try:
+        if reply.chat:
+            for i in range(len(jobs)):
+                yield _sse(reply.chunk(i, None, role=True))
+        done, completion_tokens = 0, 0
+        while done < len(jobs):
+            index, event = await events.get()
+            if event.error is not None:
+                yield _sse(error_body(event.error, type="server_error", code="decoding_failed"))
+                break
+            if event.delta:
+                yield _sse(reply.chunk(index, event.delta))
+            if event.final:
+                done += 1
+                completion_tokens += event.completion_tokens
+                yield _sse(reply.chunk(index, None, event))
+        else:
+            if reply.include_usage:
+                yield _sse(reply.usage_chunk(completion_tokens))
+        yield "data: [DONE]\n\n"
+    finally:
+        for job in jobs:
+            server.scheduler.cancel(job)
+
+
+def loop_time() -> float:
+    return asyncio.get_running_loop().time()
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+# ------------------------------------------------------------------------------------------ errors
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError):
+        return _validation_error(e).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        return ApiError(e.status_code, str(e.detail), headers=getattr(e, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, e: Exception):
+        log.exception("unhandled error")
+        return ApiError(500, f"internal error: {type(e).__name__}: {e}").response()
+
+
+def _validation_error(e: RequestValidationError | ValidationError) -> ApiError:
+    """The first pydantic error as a 400 naming the field (`refusion.slot_size`, `messages.0.role`, ...)."""
+    errors = e.errors()
+    if not errors:
+        return ApiError(400, "invalid request body")
+    err = errors[0]
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, UnsupportedValue):
+        return ApiError(400, str(cause), param=cause.param)
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    loc = [x for x in loc if not _is_union_branch(x)]
+    param = ".".join(loc) or None
+    if err.get("type") == "missing":
+        return ApiError(400, f"missing required field {param!r}", param=param)
+    if err.get("type") == "extra_forbidden":
+        return ApiError(400, f"unknown field {param!r}", param=param)
+    got = json.dumps(err.get("input"), default=str)
+    got = got if len(got) <= 80 else got[:77] + "..."
+    where = f"{param}: " if param else "request body: "
+    return ApiError(400, f"{where}{err.get('msg', 'invalid value')} (got {got})", param=param)
+
+
+def _is_union_branch(part: str) -> bool:
+    """pydantic names the branch of a union in the error location (`str`, `list[int]`, ...)."""
+    return part in ("str", "int", "float", "bool", "function-after") or part.startswith(("list[", "dict["))

@@ -1,0 +1,76 @@
+"""`refusion serve`: the OpenAI-compatible server (FastAPI + uvicorn, one decoding thread)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from refusion.decode.cli import add_decode_arguments, add_model_arguments, decode_config_from_args
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve", help="serve a model behind an OpenAI-compatible API (streaming, dynamic batching)",
+        description="Serve /v1/chat/completions, /v1/completions, /v1/models and /health. The decoding flags "
+                    "are the defaults of every request; a request overrides them with max_tokens, temperature, "
+                    "seed and the extension object \"refusion\": {slot_size, block_size, ...}.")
+    add_model_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--max-batch-size", type=int, default=8,
+                   help="most sequences decoded together in one batched forward (default 8)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="most requests waiting for a batch row; more are answered 503 (default 64)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients pass as `model` (default: the --model name, or 'refusion')")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_decode_arguments(p)
+    p.set_defaults(func=run)
+
+
+def served_name(model: str | None) -> str:
+    if model is None:
+        return "refusion"
+    return os.path.basename(os.path.normpath(model)) or model
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_batch_size < 1:
+        raise ValueError(f"--max-batch-size={args.max_batch_size} is invalid: must be >= 1")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue={args.max_queue} is invalid: must be >= 0")
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port={args.port} is invalid: must be in [0, 65535]")
+    import uvicorn
+
+    import refusion
+    from refusion.serve.app import create_app
+
+    base = {}
+    if args.model is None:
+        from refusion.model.embedded import default_decode_settings_or_none
+        base = default_decode_settings_or_none() or {}
+    cfg = decode_config_from_args(args, base)  # validated before the model loads
+    model, tokenizer = refusion.load(args.model, dtype=args.dtype, device=args.device)
+    app = create_app(model, tokenizer, config=cfg, model_name=args.served_model_name or served_name(args.model),
+                     max_batch_size=args.max_batch_size, max_queue=args.max_queue)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m refusion.serve.cli [flags]`: the same as `refusion serve [flags]`."""
+    import sys
+
+    parser = argparse.ArgumentParser(prog="refusion")
+    add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return args.func(args) or 0
+    except (ValueError, FileNotFoundError) as e:
+        print(f"refusion serve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

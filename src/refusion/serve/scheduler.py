@@ -1,0 +1,302 @@
+"""The scheduler: one thread owns the `Decoder` and runs continuous (dynamic) batching.
+
+Request handlers `submit` jobs to a bounded waiting queue. The scheduler thread loops:
+
+1. admit waiting jobs into the batch (up to `max_batch_size` live sequences) and drop cancelled ones;
+2. run one batched forward (`Decoder.step`) for every live sequence;
+3. publish: for every sequence whose committed contiguous prefix grew, decode it to text, cut it at a
+   stop string, and send the new text to the job's handler; finished, stopped and cancelled sequences
+   leave the batch (their cache rows are freed at once).
+
+Events reach the handlers through `Job.emit`, which must not block (the app hands it an asyncio queue
+via `loop.call_soon_threadsafe`), so a slow reader never holds up the batch. Streamed and non-streamed
+requests run the same code: a non-streamed response is the concatenation of the streamed deltas.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from refusion.config import DecodeConfig
+
+log = logging.getLogger("refusion.serve")
+
+
+@dataclass
+class Event:
+    """What a job's handler receives: text, then one final event (finish_reason or error)."""
+
+    delta: str = ""
+    """New text (appended to everything sent before)."""
+    finish_reason: str | None = None
+    """"stop" (EOS or a stop string), "length" (max_tokens), "cancelled"; None while decoding goes on."""
+    completion_tokens: int = 0
+    stats: dict | None = None
+    """Decoder statistics of the finished sequence (forwards, rounds, tokens_per_forward, ...)."""
+    error: str | None = None
+    """Set when decoding failed; the event is final."""
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+class TextStream:
+    """Turns the growing decoded text of one sequence into deltas that are never taken back.
+
+    A delta holds back (a) a trailing U+FFFD, i.e. an incomplete multi-byte character, and (b) a tail that
+    could be the start of a stop string. A stop string cuts the text before it and ends the stream.
+    """
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.sent = ""
+
+    def update(self, text: str, final: bool) -> tuple[str, bool]:
+        """(delta to send, whether a stop string matched) for the text decoded so far."""
+        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        stopped = cut >= 0
+        if stopped:
+            text, final = text[:cut], True
+        if not final:
+            text = text[: len(text) - self._held_back(text)]
+        if not text.startswith(self.sent):
+            log.warning("decoded text is not an extension of the text already streamed; %r after %r",
+                        text, self.sent)
+            return "", stopped
+        delta, self.sent = text[len(self.sent):], max(text, self.sent, key=len)
+        return delta, stopped
+
+    def _held_back(self, text: str) -> int:
+        hold = len(text) - len(text.rstrip("\ufffd"))
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(text)), 0, -1):
+                if text.endswith(stop[:n]):
+                    hold = max(hold, n)
+                    break
+        return hold
+
+
+@dataclass(eq=False)
+class Job:
+    """One prompt to decode (a request with several prompts submits several jobs)."""
+
+    prompt: list[int]
+    config: DecodeConfig
+    mask_token_id: int | None
+    eos_token_ids: list[int]
+    emit: Callable[[Event], None]
+    """Called from the scheduler thread with each event; must not block."""
+    stops: list[str] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    submitted: float = field(default_factory=time.perf_counter)
+    # scheduler state
+    seq: object = None
+    admitted: float = 0.0
+    rounds_seen: int = -1
+    tokens: int = 0
+    cancelled: bool = False
+    done: bool = False
+    text: TextStream = field(init=False)
+
+    def __post_init__(self):
+        self.text = TextStream(self.stops)
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is full (the server answers 503)."""
+
+
+class SchedulerStopped(RuntimeError):
+    """The scheduler is not running (the server answers 503)."""
+
+
+class Scheduler:
+    """Owns a `Decoder` in a dedicated thread; see the module docstring."""
+
+    def __init__(self, model, tokenizer, *, max_batch_size: int = 8, max_queue: int = 64, decoder_capacity: int = 512):
+        if max_batch_size < 1 or max_queue < 0:
+            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1 and max_queue={max_queue} >= 0")
+        self.model, self.tokenizer = model, tokenizer
+        self.max_batch_size, self.max_queue = max_batch_size, max_queue
+        self.decoder_capacity = decoder_capacity
+        self.decoder = None
+        self.waiting: deque[Job] = deque()
+        self.live: list[Job] = []
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._paused = False
+        self._thread: threading.Thread | None = None
+        self.tokenizer_lock = threading.Lock()
+        self.counters = {"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0, "steps": 0}
+
+    # ----------------------------------------------------------------------------- handler side
+    def start(self) -> None:
+        from refusion.decode.loop import Decoder
+        self.decoder = Decoder(self.model, capacity=self.decoder_capacity)
+        self.model.eval()
+        self._thread = threading.Thread(target=self._run, name="refusion-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop; jobs still waiting or live get an error event."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def submit(self, jobs: list[Job]) -> None:
+        """Queue jobs (all or none); raise QueueFull when they do not fit."""
+        with self._cond:
+            if not self.running:
+                raise SchedulerStopped("the decoding scheduler is not running")
+            free_rows = 0 if self._paused else max(self.max_batch_size - len(self.live), 0)
+            if len(self.waiting) + len(jobs) > self.max_queue + free_rows:
+                self.counters["rejected"] += 1
+                raise QueueFull(f"the server is busy: {len(self.live)} requests decoding and {len(self.waiting)} "
+                                f"waiting (max_queue={self.max_queue}); retry later")
+            self.waiting.extend(jobs)
+            self._cond.notify_all()
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: forget a waiting job, or free a live job's row before the next step."""
+        with self._cond:
+            if job.cancelled or job.done:
+                return
+            job.cancelled = True
+            if job in self.waiting:
+                self.waiting.remove(job)
+                self.counters["cancelled"] += 1
+            self._cond.notify_all()
+
+    def pause(self) -> None:
+        """Hold every job in the queue (for maintenance and tests); `resume` goes on."""
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def status(self) -> dict:
+        return {"running": self.running, "live": len(self.live), "waiting": len(self.waiting),
+                "max_batch_size": self.max_batch_size, "max_queue": self.max_queue, **self.counters}
+
+    # ----------------------------------------------------------------------------- scheduler thread
+    def _run(self) -> None:
+        try:
+            while self._iterate():
+                pass
+        finally:
+            for job in [*self.live, *self.waiting]:
+                job.done = True
+                job.emit(Event(error="the server is shutting down"))
+            self.live.clear()
+            self.waiting.clear()
+
+    def _iterate(self) -> bool:
+        # 1. admit new jobs, drop cancelled ones
+        with self._cond:
+            while self._idle():
+                self._cond.wait()
+            if self._stopping:
+                return False
+            admitted = []
+            while not self._paused and self.waiting and len(self.live) + len(admitted) < self.max_batch_size:
+                admitted.append(self.waiting.popleft())
+        for job in admitted:
+            self._admit(job)
+        for job in [j for j in self.live if j.cancelled]:
+            self._leave(job, Event(finish_reason="cancelled", completion_tokens=job.tokens))
+        if self._paused or not self.live:
+            return True
+
+        # 2. one batched forward for every live sequence
+        try:
+            finished = {seq.id for seq in self.decoder.step()}
+        except Exception as e:  # a failed forward must not take the server down
+            log.exception("decoding step failed")
+            self._fail_all(f"decoding failed: {type(e).__name__}: {e}")
+            return True
+        self.counters["steps"] += 1
+
+        # 3. publish the text that became contiguous, finish what ended
+        for job in list(self.live):
+            self._publish(job, job.seq.id in finished)
+        return True
+
+    def _idle(self) -> bool:
+        """Nothing to do until a handler calls in (holding the lock)."""
+        if self._stopping or any(j.cancelled for j in self.live):
+            return False
+        return self._paused or (not self.waiting and not self.live)
+
+    def _admit(self, job: Job) -> None:
+        try:
+            job.seq = self.decoder.add(job.prompt, job.config, mask_token_id=job.mask_token_id,
+                                       eos_token_ids=job.eos_token_ids, generator=job.generator)
+        except Exception as e:
+            log.exception("could not start a sequence")
+            self.counters["failed"] += 1
+            job.done = True
+            job.emit(Event(error=f"could not start decoding: {type(e).__name__}: {e}"))
+            return
+        job.admitted = time.perf_counter()
+        self.live.append(job)
+
+    def _publish(self, job: Job, finished: bool) -> None:
+        seq = job.seq
+        if not finished and seq.stats.rounds == job.rounds_seen:
+            return  # nothing was committed since the last look
+        job.rounds_seen = seq.stats.rounds
+        tokens = seq.response() if finished else seq.contiguous_response()
+        if len(tokens) == job.tokens and not finished:
+            return
+        job.tokens = len(tokens)
+        with self.tokenizer_lock:
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        delta, stopped = job.text.update(text, final=finished)
+        if delta:
+            job.emit(Event(delta=delta))
+        if stopped or finished:
+            eos = bool(tokens) and tokens[-1] in job.eos_token_ids
+            reason = "stop" if stopped or eos else "length"
+            self._leave(job, Event(finish_reason=reason, completion_tokens=len(tokens), stats=self._stats(job)))
+
+    def _leave(self, job: Job, event: Event) -> None:
+        """Take a job out of the batch (freeing its cache row) and send its final event."""
+        if job in self.live:
+            self.live.remove(job)
+            self.decoder.cancel(job.seq)  # a no-op for a sequence that finished
+        job.done = True
+        self.counters["cancelled" if event.finish_reason == "cancelled" else "completed"] += 1
+        job.emit(event)
+
+    def _stats(self, job: Job) -> dict:
+        s = job.seq.stats
+        return {"strategy": job.config.strategy, "forwards": s.forwards, "rounds": s.rounds,
+                "tokens_per_forward": job.tokens / s.forwards if s.forwards else 0.0,
+                "queue_seconds": job.admitted - job.submitted, "decode_seconds": time.perf_counter() - job.admitted}
+
+    def _fail_all(self, message: str) -> None:
+        """After a failed step: fail every live job and start over with a fresh decoder."""
+        from refusion.decode.loop import Decoder
+        for job in self.live:
+            self.counters["failed"] += 1
+            job.done = True
+            job.emit(Event(error=message))
+        self.live.clear()
+        self.decoder = Decoder(self.model, capacity=self.decoder_capacity)

@@ -1,0 +1,178 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic models).
+
+Requests follow the OpenAI names (`max_tokens`, `temperature`, `stop`, `seed`, `stream`, ...). Fields the
+decoder has no use for are accepted only at their neutral value (`n=1`, `top_p=1`, penalties 0, ...), so a
+client never silently gets something other than what it asked for; any other unknown field is a 400,
+as with the OpenAI API. ReFusion settings go in the extension object `"refusion": {...}`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+
+MAX_TOKENS_LIMIT = 1 << 20
+"""Upper bound of `max_tokens` checked before tokenization; the model's context is checked after."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RefusionOptions(_Strict):
+    """Per-request decoding settings (the extension object `"refusion"`); unset fields keep the server's."""
+
+    slot_size: int | None = Field(None, ge=1, description="k: tokens per slot")
+    block_size: int | None = Field(None, ge=1, description="b: block length, a multiple of slot_size")
+    slot_threshold: float | None = Field(None, ge=0, le=1, description="tau_slot: planning threshold")
+    token_threshold: float | None = Field(None, ge=0, le=1, description="tau_token: acceptance threshold")
+    strategy: Literal["refusion", "autoregressive"] | None = Field(None, description="decoding strategy")
+    kv_cache: Literal["reuse", "recompute"] | None = Field(None, description="KV reuse or the Table 8 ablation")
+    ignore_eos: StrictBool = Field(False, description="decode exactly max_tokens tokens (benchmarks)")
+
+    def overrides(self) -> dict:
+        """DecodeConfig fields this request sets."""
+        return {k: v for k, v in self.model_dump(exclude={"ignore_eos"}).items() if v is not None}
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool = False
+    """Send a last chunk with `usage` (and no choices) before `[DONE]`."""
+
+
+class _Neutral(_Strict):
+    """Standard OpenAI fields the decoder does not implement: accepted only at their neutral value."""
+
+    n: int | None = Field(None, description="choices per prompt; only 1")
+    top_p: float | None = Field(None, description="nucleus sampling; only 1 (the decoder samples the full softmax)")
+    frequency_penalty: float | None = Field(None, description="only 0")
+    presence_penalty: float | None = Field(None, description="only 0")
+    logit_bias: dict[str, float] | None = Field(None, description="only empty")
+    user: str | None = Field(None, description="end-user id (ignored)")
+
+    @model_validator(mode="after")
+    def _only_neutral(self):
+        neutral = {"n": 1, "top_p": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+        for name, value in neutral.items():
+            got = getattr(self, name)
+            if got is not None and got != value:
+                raise UnsupportedValue(name, f"{name}={got!r} is not supported by the ReFusion decoder: "
+                                             f"leave it out or set it to {value!r}")
+        if self.logit_bias:
+            raise UnsupportedValue("logit_bias", "logit_bias is not supported by the ReFusion decoder")
+        return self
+
+
+class UnsupportedValue(ValueError):
+    """A known field at a value the server does not implement (reported as a 400 naming the field)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class _Generation(_Neutral):
+    model: str
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT, description="most tokens to generate")
+    temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy")
+    seed: int | None = Field(None, description="seed for sampling (temperature > 0)")
+    stop: str | list[str] | None = Field(None, description="up to 4 strings that end the text (not included)")
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    refusion: RefusionOptions | None = None
+
+    @model_validator(mode="after")
+    def _check_stop(self):
+        stops = self.stop_strings()
+        if len(stops) > 4 or any(not s for s in stops):
+            raise UnsupportedValue("stop", "stop must be a non-empty string or a list of at most 4 of them")
+        return self
+
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # `name`, `refusal`, ... pass through to the chat template
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Generation):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT, description="alias of max_tokens")
+    logprobs: StrictBool | None = Field(None, description="only false")
+
+    @model_validator(mode="after")
+    def _no_logprobs(self):
+        if self.logprobs:
+            raise UnsupportedValue("logprobs", "logprobs are not supported by the ReFusion server")
+        return self
+
+    def requested_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def chat_messages(self) -> list[dict]:
+        """Messages for the chat template: plain role/content dicts (`developer` is a system turn)."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+class CompletionRequest(_Generation):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: StrictBool | None = Field(None, description="only false")
+    best_of: int | None = Field(None, description="only 1")
+    logprobs: int | None = Field(None, description="only null")
+    suffix: str | None = Field(None, description="only null")
+
+    @model_validator(mode="after")
+    def _neutral_completion_fields(self):
+        for name, ok in (("echo", not self.echo), ("best_of", self.best_of in (None, 1)),
+                         ("logprobs", self.logprobs is None), ("suffix", self.suffix is None)):
+            if not ok:
+                raise UnsupportedValue(name, f"{name} is not supported by the ReFusion server")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise UnsupportedValue("prompt", "prompt is an empty list")
+        return self
+
+    def requested_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per choice: text, or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+# ------------------------------------------------------------------------------------------ responses
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """The OpenAI error envelope."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}

@@ -1,0 +1,77 @@
+"""Streamed text deltas: never taken back, stop strings cut, incomplete characters held back."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from refusion.serve.scheduler import TextStream
+
+
+def feed(stops, texts):
+    """Deltas for a growing text (the last one final), and whether a stop string matched."""
+    stream, deltas, stopped = TextStream(stops), [], False
+    for i, text in enumerate(texts):
+        delta, stopped = stream.update(text, final=i == len(texts) - 1)
+        deltas.append(delta)
+        if stopped:
+            break
+    return deltas, stopped
+
+
+def test_deltas_concatenate_to_the_text():
+    deltas, stopped = feed([], ["he", "hell", "hello", "hello world"])
+    assert deltas == ["he", "ll", "o", " world"] and not stopped
+
+
+def test_a_possible_stop_prefix_is_held_back_then_released():
+    deltas, stopped = feed(["END"], ["ab", "abE", "abEN", "abENx", "abENxy"])
+    assert deltas == ["ab", "", "", "ENx", "y"] and not stopped
+
+
+def test_stop_string_cuts_before_it_and_ends():
+    deltas, stopped = feed(["END", "zz"], ["ab", "abEN", "abENDcd", "never seen"])
+    assert "".join(deltas) == "ab" and stopped and len(deltas) == 3
+
+
+def test_stop_string_arriving_whole_in_one_update():
+    assert feed(["\n\n"], ["a", "a\n\nb"]) == (["a", ""], True)
+
+
+def test_incomplete_character_is_held_back():
+    deltas, _ = feed([], ["caf", "caf\ufffd", "café", "café!"])
+    assert deltas == ["caf", "", "é", "!"]
+
+
+def test_final_text_is_sent_whole():
+    assert feed(["xyz"], ["ab", "abxy"]) == (["ab", "xy"], False)
+
+
+def test_serve_parser_and_bad_flags():
+    from refusion.serve import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--model", "m", "--port", "0", "--max-batch-size", "2", "--slot-size", "4",
+                              "--block-size", "8", "--preset", "demo"])
+    assert args.func is cli.run and (args.max_batch_size, args.max_queue, args.port) == (2, 64, 0)
+    assert cli.served_name("/models/refusion-qwen3/") == "refusion-qwen3" and cli.served_name(None) == "refusion"
+    with pytest.raises(ValueError, match="max-batch-size"):
+        cli.run(parser.parse_args(["serve", "--max-batch-size", "0"]))
+    with pytest.raises(ValueError, match="block_size"):  # decoding flags are checked before the model loads
+        cli.run(parser.parse_args(["serve", "--model", "/nonexistent", "--slot-size", "3"]))
+
+
+def test_a_model_without_mask_token_needs_the_autoregressive_default(tiny):
+    from refusion.config import DecodeConfig
+    from refusion.serve.app import create_app
+
+    model, tokenizer = tiny
+    model.config.mask_token_id, saved = None, model.config.mask_token_id
+    try:
+        with pytest.raises(ValueError, match="mask_token_id"):
+            create_app(model, tokenizer)
+        create_app(model, tokenizer, config=DecodeConfig(strategy="autoregressive"))
+    finally:
+        model.config.mask_token_id = saved
