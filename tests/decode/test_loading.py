@@ -56,3 +56,13 @@ def test_smollm2_gguf_loads_as_plain_model_with_im_end_eos():
     ids = refusion.encode_prompts(tokenizer, ["What is 12 times 7?"])
     out = refusion.generate(model, ids, max_new_tokens=160, strategy="autoregressive")
     assert out.stats.per_sequence[0].finish_reason == "eos"  # the turn ends with <|im_end|>
+
+
+def test_without_embedded_model_the_default_is_a_clear_error(monkeypatch):
+    from refusion.model import embedded
+
+    monkeypatch.setattr(embedded, "ADAPTER_DIR", embedded.ASSET_DIR / "missing")
+    with pytest.raises(ValueError, match="ships no embedded default model"):
+        refusion.load()
+    with pytest.raises(ValueError, match="ships no embedded default model"):
+        refusion.default_decode_settings()

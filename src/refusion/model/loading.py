@@ -94,19 +94,19 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
         dtype = getattr(torch, dtype)
     dtype = dtype or default_dtype(device)
     source, extra = _source(path)
-    adapter = extra.pop("adapter", None)
+    post_load = extra.pop("post_load", None)  # the embedded model: adapter merged in fp32, then cast
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **extra)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation,
-                                                     **extra)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32 if post_load else dtype,
+                                                     attn_implementation=attn_implementation, **extra)
     except OSError as e:
         if not os.path.exists(source):
             raise ValueError(f"could not load {source!r}: not a local path, and not in the local Hugging Face "
                              f"cache (this machine may be offline). Details: {str(e).splitlines()[0]}") from None
         raise ValueError(f"could not load {source!r}: {str(e).splitlines()[0]}") from None
     _drop_gguf_quantizer(model)
-    if adapter is not None:
-        model = adapter(model)
+    if post_load is not None:
+        model = post_load(model, tokenizer).to(dtype)
     model.to(device).eval()
     resolve_special_tokens(model, tokenizer)
     return model, tokenizer

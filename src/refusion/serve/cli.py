@@ -23,6 +23,9 @@ def add_parser(subparsers) -> None:
                    help="most requests waiting for a batch row; more are answered 503 (default 64)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients pass as `model` (default: the --model name, or 'refusion')")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default on CPU: one core fewer than the machine has, leaving one to "
+                        "the HTTP event loop; oversubscribed cores slow every forward down many times)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_decode_arguments(p)
     p.set_defaults(func=run)
@@ -34,11 +37,24 @@ def served_name(model: str | None) -> str:
     return os.path.basename(os.path.normpath(model)) or model
 
 
+def set_cpu_threads(model, threads: int | None) -> None:
+    """Leave a core to the event loop: torch's spinning worker threads otherwise compete with it."""
+    import torch
+
+    if threads is None:
+        if next(model.parameters()).device.type != "cpu":
+            return
+        threads = max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) - 1))
+    torch.set_num_threads(threads)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.max_batch_size < 1:
         raise ValueError(f"--max-batch-size={args.max_batch_size} is invalid: must be >= 1")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue={args.max_queue} is invalid: must be >= 0")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads={args.threads} is invalid: must be >= 1")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port={args.port} is invalid: must be in [0, 65535]")
     import uvicorn
@@ -52,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         base = default_decode_settings_or_none() or {}
     cfg = decode_config_from_args(args, base)  # validated before the model loads
     model, tokenizer = refusion.load(args.model, dtype=args.dtype, device=args.device)
+    set_cpu_threads(model, args.threads)
     app = create_app(model, tokenizer, config=cfg, model_name=args.served_model_name or served_name(args.model),
                      max_batch_size=args.max_batch_size, max_queue=args.max_queue)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
