@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # module path of each subcommand's `add_parser`, in the order `--help` lists them
@@ -15,6 +16,7 @@ SUBCOMMANDS = [
     "refusion.decode.cli",
     "refusion.train.cli",
     "refusion.eval.cli",
+    "refusion.serve.cli",
     "refusion.viz.cli",
 ]
 
@@ -38,8 +40,24 @@ def _version() -> str:
     return __version__
 
 
+def quiet_libraries() -> None:
+    """Keep transformers' load-time warnings and progress bars off the terminal (REFUSION_VERBOSE=1 keeps them)."""
+    if os.environ.get("REFUSION_VERBOSE"):
+        return
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    else:
+        import transformers.utils.logging as hf_logging
+        hf_logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    quiet_libraries()
     try:
         return args.func(args) or 0
     except (ValueError, FileNotFoundError, UserError) as e:

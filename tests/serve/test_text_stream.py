@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-
-import pytest
-
 from refusion.serve.scheduler import TextStream
 
 
@@ -46,32 +42,3 @@ def test_incomplete_character_is_held_back():
 
 def test_final_text_is_sent_whole():
     assert feed(["xyz"], ["ab", "abxy"]) == (["ab", "xy"], False)
-
-
-def test_serve_parser_and_bad_flags():
-    from refusion.serve import cli
-
-    parser = argparse.ArgumentParser()
-    cli.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["serve", "--model", "m", "--port", "0", "--max-batch-size", "2", "--slot-size", "4",
-                              "--block-size", "8", "--preset", "demo"])
-    assert args.func is cli.run and (args.max_batch_size, args.max_queue, args.port) == (2, 64, 0)
-    assert cli.served_name("/models/refusion-qwen3/") == "refusion-qwen3" and cli.served_name(None) == "refusion"
-    with pytest.raises(ValueError, match="max-batch-size"):
-        cli.run(parser.parse_args(["serve", "--max-batch-size", "0"]))
-    with pytest.raises(ValueError, match="block_size"):  # decoding flags are checked before the model loads
-        cli.run(parser.parse_args(["serve", "--model", "/nonexistent", "--slot-size", "3"]))
-
-
-def test_a_model_without_mask_token_needs_the_autoregressive_default(tiny):
-    from refusion.config import DecodeConfig
-    from refusion.serve.app import create_app
-
-    model, tokenizer = tiny
-    model.config.mask_token_id, saved = None, model.config.mask_token_id
-    try:
-        with pytest.raises(ValueError, match="mask_token_id"):
-            create_app(model, tokenizer)
-        create_app(model, tokenizer, config=DecodeConfig(strategy="autoregressive"))
-    finally:
-        model.config.mask_token_id = saved

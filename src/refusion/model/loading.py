@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import os
 from pathlib import Path
@@ -96,9 +98,10 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
     source, extra = _source(path)
     post_load = extra.pop("post_load", None)  # the embedded model: adapter merged in fp32, then cast
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **extra)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32 if post_load else dtype,
-                                                     attn_implementation=attn_implementation, **extra)
+        with _without_gguf_progress_bar():
+            tokenizer = AutoTokenizer.from_pretrained(source, **extra)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32 if post_load else dtype,
+                                                         attn_implementation=attn_implementation, **extra)
     except OSError as e:
         if not os.path.exists(source):
             raise ValueError(f"could not load {source!r}: not a local path, and not in the local Hugging Face "
@@ -110,6 +113,19 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
     model.to(device).eval()
     resolve_special_tokens(model, tokenizer)
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def _without_gguf_progress_bar():
+    """transformers draws a raw tqdm bar while it dequantizes a GGUF file; a load is short, keep it quiet."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    original = gguf_utils.tqdm
+    gguf_utils.tqdm = functools.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
 
 
 def _drop_gguf_quantizer(model) -> None:

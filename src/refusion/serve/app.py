@@ -41,6 +41,8 @@ ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "inval
                413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 RETRY_AFTER_SECONDS = 1
 DISCONNECT_POLL_SECONDS = 0.25
+MAX_BODY_BYTES = 8 << 20
+"""Larger bodies are refused (413) before they are parsed or tokenized."""
 
 
 class ApiError(Exception):
@@ -140,7 +142,12 @@ def _add_routes(app: FastAPI, server: Server) -> None:
 
 async def _parse(request: Request, schema: type[BaseModel]):
     """The JSON body as `schema` (whatever the Content-Type says, as curl -d sends form-encoded)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
     raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

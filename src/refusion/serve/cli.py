@@ -7,6 +7,9 @@ import os
 
 from refusion.decode.cli import add_decode_arguments, add_model_arguments, decode_config_from_args
 
+GRACEFUL_SHUTDOWN_SECONDS = 10
+"""On shutdown, streams still open after this long are cut (their sequences are cancelled)."""
+
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
@@ -71,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
     set_cpu_threads(model, args.threads)
     app = create_app(model, tokenizer, config=cfg, model_name=args.served_model_name or served_name(args.model),
                      max_batch_size=args.max_batch_size, max_queue=args.max_queue)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
     return 0
 
 

@@ -21,10 +21,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from refusion.config import DecodeConfig
+
+if TYPE_CHECKING:
+    from refusion.decode.program import Sequence
 
 log = logging.getLogger("refusion.serve")
 
@@ -98,7 +102,7 @@ class Job:
     generator: torch.Generator | None = None
     submitted: float = field(default_factory=time.perf_counter)
     # scheduler state
-    seq: object = None
+    seq: Sequence | None = None
     admitted: float = 0.0
     rounds_seen: int = -1
     tokens: int = 0
@@ -182,7 +186,7 @@ class Scheduler:
             self._cond.notify_all()
 
     def pause(self) -> None:
-        """Hold every job in the queue (for maintenance and tests); `resume` goes on."""
+        """Stop admitting and stepping (live sequences wait, new ones queue): for maintenance and tests."""
         with self._cond:
             self._paused = True
 

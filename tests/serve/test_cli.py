@@ -1,0 +1,78 @@
+"""`refusion serve` flags, and the command end to end in a subprocess (model load, uvicorn, one request)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+
+def test_serve_parser_and_bad_flags():
+    from refusion.serve import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--model", "m", "--port", "0", "--max-batch-size", "2", "--slot-size", "4",
+                              "--block-size", "8", "--preset", "demo"])
+    assert args.func is cli.run and (args.max_batch_size, args.max_queue, args.port) == (2, 64, 0)
+    assert cli.served_name("/models/refusion-qwen3/") == "refusion-qwen3" and cli.served_name(None) == "refusion"
+    with pytest.raises(ValueError, match="max-batch-size"):
+        cli.run(parser.parse_args(["serve", "--max-batch-size", "0"]))
+    with pytest.raises(ValueError, match="block_size"):  # decoding flags are checked before the model loads
+        cli.run(parser.parse_args(["serve", "--model", "/nonexistent", "--slot-size", "3"]))
+    assert cli.main(["--model", "/nonexistent/model"]) == 2
+
+
+def test_serve_command_end_to_end(tmp_path, tiny):
+    model, tokenizer = tiny
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "refusion.serve.cli", "--model", str(tmp_path), "--port", str(port),
+           "--dtype", "float32", "--max-new-tokens", "8", "--slot-size", "4", "--block-size", "8",
+           "--log-level", "warning"]
+    server = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert server.poll() is None, server.stdout.read()
+            assert time.monotonic() < deadline, "the server did not start in 60 s"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        assert name == tmp_path.name
+        response = httpx.post(f"{url}/v1/completions", json={"model": name, "prompt": "hi"}, timeout=30).json()
+        assert response["usage"]["completion_tokens"] == 8  # the --max-new-tokens default
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def test_a_model_without_mask_token_needs_the_autoregressive_default(tiny):
+    from refusion.config import DecodeConfig
+    from refusion.serve.app import create_app
+
+    model, tokenizer = tiny
+    model.config.mask_token_id, saved = None, model.config.mask_token_id
+    try:
+        with pytest.raises(ValueError, match="mask_token_id"):
+            create_app(model, tokenizer)
+        create_app(model, tokenizer, config=DecodeConfig(strategy="autoregressive"))
+    finally:
+        model.config.mask_token_id = saved
