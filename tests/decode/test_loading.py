@@ -36,7 +36,7 @@ def test_released_checkpoint_layout_loads_with_stock_classes(tmp_path):
 
 def test_offline_hub_id_and_missing_paths_give_clear_errors(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ValueError, match="not in the local Hugging Face cache"):
+    with pytest.raises(ValueError, match="not in the local Hugging Face cache, and the hub cannot be reached"):
         refusion.load("GSAI-ML/ReFusion")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         refusion.load("./no/such/model")

@@ -9,8 +9,6 @@ import pytest
 
 SCRIPT = """import sys
 import refusion.cli as c
-if "refusion.eval.cli" not in c.SUBCOMMANDS:
-    c.SUBCOMMANDS.append("refusion.eval.cli")
 raise SystemExit(c.main(sys.argv[1:]))
 """
 

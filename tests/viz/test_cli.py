@@ -9,9 +9,7 @@ from refusion.model.tiny import tiny_model, tiny_tokenizer
 
 
 @pytest.fixture
-def main(monkeypatch):
-    if "refusion.viz.cli" not in refusion.cli.SUBCOMMANDS:
-        monkeypatch.setattr(refusion.cli, "SUBCOMMANDS", [*refusion.cli.SUBCOMMANDS, "refusion.viz.cli"])
+def main():
     return refusion.cli.main
 
 

@@ -97,15 +97,16 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
     dtype = dtype or default_dtype(device)
     source, extra = _source(path)
     post_load = extra.pop("post_load", None)  # the embedded model: adapter merged in fp32, then cast
+    hub_id = not os.path.exists(source)
+    if hub_id and not _in_local_cache(source) and not _hub_reachable():
+        raise ValueError(f"could not load {source!r}: it is not a local path, not in the local Hugging Face "
+                         "cache, and the hub cannot be reached (this machine is offline)")
     try:
         with _without_gguf_progress_bar():
             tokenizer = AutoTokenizer.from_pretrained(source, **extra)
             model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32 if post_load else dtype,
                                                          attn_implementation=attn_implementation, **extra)
     except OSError as e:
-        if not os.path.exists(source):
-            raise ValueError(f"could not load {source!r}: not a local path, and not in the local Hugging Face "
-                             f"cache (this machine may be offline). Details: {str(e).splitlines()[0]}") from None
         raise ValueError(f"could not load {source!r}: {str(e).splitlines()[0]}") from None
     _drop_gguf_quantizer(model)
     if post_load is not None:
@@ -113,6 +114,30 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
     model.to(device).eval()
     resolve_special_tokens(model, tokenizer)
     return model, tokenizer
+
+
+def _in_local_cache(hub_id: str) -> bool:
+    """Whether the hub id's config is in the local Hugging Face cache."""
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(hub_id, "config.json"), str)
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """A quick check that the hub answers at all, instead of minutes of retries when offline."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager
