@@ -52,6 +52,20 @@ def timed(model, prompts, cfg, batch: int, repeats: int) -> dict:
                 median_seconds=statistics.median(r["seconds"] for r in runs))
 
 
+def hf_generate(model, prompts, max_new_tokens: int, repeats: int) -> dict:
+    """transformers' own greedy `generate`, one prompt at a time: the reference point for the AR baseline."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for p in prompts:
+                model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                               do_sample=False, pad_token_id=0)
+        best = min(best, time.perf_counter() - start)
+    tokens = max_new_tokens * len(prompts)
+    return dict(tokens=tokens, seconds=best, tokens_per_second=tokens / best)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8)
@@ -77,6 +91,7 @@ def main() -> None:
         results[name] = {f"batch_{b}": timed(model, prompts, cfg, b, args.repeats) for b in (1, args.batch)}
         results[name]["batch_speedup"] = (results[name][f"batch_{args.batch}"]["tokens_per_second"]
                                           / results[name]["batch_1"]["tokens_per_second"])
+    results["transformers_generate"] = {"batch_1": hf_generate(model, prompts, args.max_new_tokens, args.repeats)}
     b1 = "batch_1"
     summary = {
         "benchmark": "decode_engine", "model": "random Llama, SmolLM2-135M shape", "dtype": args.dtype,
@@ -88,6 +103,9 @@ def main() -> None:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     for name, r in results.items():
+        if "batch_speedup" not in r:
+            print(f"{name:20s} batch 1 {r[b1]['tokens_per_second']:7.1f} tok/s")
+            continue
         print(f"{name:20s} batch 1 {r[b1]['tokens_per_second']:7.1f} tok/s  batch {args.batch} "
               f"{r[f'batch_{args.batch}']['tokens_per_second']:7.1f} tok/s  x{r['batch_speedup']:.2f}  "
               f"outside forwards {100 * r[f'batch_{args.batch}']['outside_forward_fraction']:.1f}% / "

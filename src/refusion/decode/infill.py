@@ -18,8 +18,11 @@ def shifted_token_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Ten
     logits (a value never used: the first token of a slot or window is always accepted).
     """
     logits = logits.float()
-    shifted = torch.cat([logits[..., :1, :], logits[..., :-1, :]], dim=-2)
-    return torch.softmax(shifted, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    log_norm = torch.logsumexp(logits, dim=-1)  # [..., T]
+    source = torch.cat([logits[..., :1, :].gather(-1, tokens[..., :1, None]),  # token 0: its own logits
+                        logits[..., :-1, :].gather(-1, tokens[..., 1:, None])], dim=-2).squeeze(-1)  # j: at j-1
+    norm = torch.cat([log_norm[..., :1], log_norm[..., :-1]], dim=-1)
+    return (source - norm).exp()
 
 
 def accepted_prefix(accept: torch.Tensor) -> torch.Tensor:

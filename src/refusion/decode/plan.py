@@ -31,15 +31,18 @@ def gumbel_noise(shape, generator: torch.Generator, device) -> torch.Tensor:
 
 
 def draft_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None):
-    """Draft a token at every masked position. logits: [n, V] -> (tokens [n], confidence [n])."""
+    """Draft a token at every masked position. logits: [n, V] -> (tokens [n], confidence [n]).
+
+    Confidence is the softmax probability of the drafted token under the un-noised logits, computed as
+    exp(logit - logsumexp) in float32 (no full softmax tensor is materialised)."""
     logits = logits.float()
-    probs = torch.softmax(logits, dim=-1)
     if temperature > 0:
         noisy = logits.double() / temperature + gumbel_noise(logits.shape, generator, logits.device)
         tokens = noisy.argmax(-1)
     else:
         tokens = logits.argmax(-1)
-    return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1)
+    confidence = (logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)).exp()
+    return tokens, confidence
 
 
 def select_slots(scores: torch.Tensor, slot_threshold: float) -> torch.Tensor:
