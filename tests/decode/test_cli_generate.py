@@ -7,15 +7,11 @@ import sys
 import pytest
 
 from refusion.cli import main
-from refusion.model.tiny import tiny_model, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    tiny_model().save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return str(path)
+def model_dir(tiny_model_dir):
+    return tiny_model_dir
 
 
 def test_generate_json_and_stats(model_dir, capsys):

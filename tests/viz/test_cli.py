@@ -5,7 +5,6 @@ import json
 import pytest
 
 import refusion.cli
-from refusion.model.tiny import tiny_model, tiny_tokenizer
 
 
 @pytest.fixture
@@ -14,11 +13,8 @@ def main():
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    tiny_model().save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return str(path)
+def model_dir(tiny_model_dir):
+    return tiny_model_dir
 
 
 def test_generate_trace_then_render(main, model_dir, tmp_path, capsys):

@@ -43,8 +43,28 @@ class RoundTrace:
         return dataclasses.asdict(self)
 
 
+class _Rates:
+    """tokens_per_forward and tokens_per_second of a stats record with tokens, forwards and seconds."""
+
+    tokens: int
+    forwards: int
+    seconds: float
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.tokens / self.forwards if self.forwards else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "tokens_per_forward": self.tokens_per_forward,
+                "tokens_per_second": self.tokens_per_second}
+
+
 @dataclass
-class SequenceStats:
+class SequenceStats(_Rates):
     """Statistics of one sequence of a batch."""
 
     tokens: int = 0
@@ -58,21 +78,9 @@ class SequenceStats:
     finish_reason: str = "length"
     """"eos" or "length"."""
 
-    @property
-    def tokens_per_forward(self) -> float:
-        return self.tokens / self.forwards if self.forwards else 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-    def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "tokens_per_forward": self.tokens_per_forward,
-                "tokens_per_second": self.tokens_per_second}
-
 
 @dataclass
-class BatchStats:
+class BatchStats(_Rates):
     """Statistics of the whole batch."""
 
     tokens: int = 0
@@ -83,18 +91,6 @@ class BatchStats:
     """Wall time of the batch, prefill included."""
     forward_seconds: float = 0.0
     """Time spent inside model forwards."""
-
-    @property
-    def tokens_per_forward(self) -> float:
-        return self.tokens / self.forwards if self.forwards else 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-    def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "tokens_per_forward": self.tokens_per_forward,
-                "tokens_per_second": self.tokens_per_second}
 
 
 @dataclass

@@ -9,16 +9,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-# (flag, DecodeConfig field, type, help): fixed decoding overrides on top of each task's preset
-OVERRIDE_FLAGS = [
-    ("--slot-size", "slot_size", int, "k: tokens per slot"),
-    ("--block-size", "block_size", int, "b: block length, a multiple of the slot size"),
-    ("--slot-threshold", "slot_threshold", float, "tau_slot: planning threshold in [0, 1]"),
-    ("--token-threshold", "token_threshold", float, "tau_token: acceptance threshold in [0, 1]"),
-    ("--temperature", "temperature", float, "0 = greedy (the paper's setting)"),
-    ("--seed", "seed", int, "seed for sampling"),
-    ("--kv-cache", "kv_cache", str, "reuse (default) or recompute"),
-]
+from refusion.decode.cli import DECODE_FLAGS
+
+# fixed decoding overrides on top of each task's preset: the generate flags, less the ones eval sets itself
+OVERRIDE_FLAGS = [flag for flag in DECODE_FLAGS if flag[1] not in ("max_new_tokens", "strategy")]
 
 
 def add_parser(subparsers) -> None:
