@@ -58,3 +58,28 @@ def test_python_m_refusion_help():
     for flag in ("--max-new-tokens", "--slot-size", "--block-size", "--slot-threshold", "--token-threshold",
                  "--temperature", "--seed", "--strategy", "--no-chat", "--stats", "--json"):
         assert flag in out.stdout
+
+
+def test_generate_from_file_writes_training_records_and_continues(model_dir, tmp_path):
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("\n".join(json.dumps({"prompt": f"question {i}"}) for i in range(5)) + "\n")
+    target = tmp_path / "answers.jsonl"
+    argv = ["generate", "--model", model_dir, "--input", str(source), "--output", str(target),
+            "--batch-size", "2", "--max-new-tokens", "6", "--strategy", "autoregressive"]
+    assert main(argv) == 0
+    records = [json.loads(line) for line in target.read_text().splitlines()]
+    assert [r["query"] for r in records] == [f"question {i}" for i in range(5)]
+    assert all(isinstance(r["response"], str) and r["stats"]["tokens"] <= 6 for r in records)
+    # an interrupted run continues where it stopped; nothing already written is lost or repeated
+    target.write_text("\n".join(target.read_text().splitlines()[:3]) + "\n")
+    assert main(argv) == 0
+    again = [json.loads(line) for line in target.read_text().splitlines()]
+    texts = [(r["query"], r["response"]) for r in records]
+    assert [(r["query"], r["response"]) for r in again] == texts  # greedy: the regenerated tail is identical
+
+
+def test_generate_from_a_bad_file_names_the_line(model_dir, tmp_path, capsys):
+    source = tmp_path / "prompts.jsonl"
+    source.write_text('{"prompt": "ok"}\n{"text": "no prompt field"}\n')
+    assert main(["generate", "--model", model_dir, "--input", str(source), "--output", str(tmp_path / "o.jsonl")]) == 2
+    assert f"{source}:2" in capsys.readouterr().err

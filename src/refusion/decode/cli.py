@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 from refusion.config import PRESETS, DecodeConfig
@@ -54,8 +55,15 @@ def decode_config_from_args(args: argparse.Namespace, base: dict | None = None) 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("generate", help="generate text with ReFusion (or AR) decoding",
-                              description="Generate a response for each PROMPT ('-' reads one from stdin).")
-    p.add_argument("prompts", nargs="+", metavar="PROMPT")
+                              description="Generate a response for each PROMPT ('-' reads one from stdin), or "
+                                          "for every record of --input, written to --output.")
+    p.add_argument("prompts", nargs="*", metavar="PROMPT")
+    p.add_argument("--input", default=None, metavar="JSONL",
+                   help='prompts from a JSONL file of {"prompt": ...} (or "query") records')
+    p.add_argument("--output", default=None, metavar="JSONL",
+                   help='with --input: write {"query", "response", "stats"} lines here (the training data format); '
+                        "an existing file is continued, never overwritten")
+    p.add_argument("--batch-size", type=int, default=8, help="with --input: prompts decoded together (default 8)")
     add_model_arguments(p)
     add_decode_arguments(p)
     p.add_argument("--no-chat", action="store_true", help="feed the prompt as is, without the chat template")
@@ -70,6 +78,10 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.input or args.output:
+        return run_file(args)
+    if not args.prompts:
+        raise ValueError("no prompt: give PROMPT arguments, '-' for stdin, or --input FILE")
     prompts = [sys.stdin.read() if p == "-" else p for p in args.prompts]
     if any(not p.strip() for p in prompts):
         raise ValueError("empty prompt: give some text to respond to")
@@ -110,4 +122,62 @@ def run(args: argparse.Namespace) -> int:
             print(f"[tokens {stats.tokens} | forwards {stats.forwards} | tokens/forward "
                   f"{stats.tokens_per_forward:.2f} | tokens/s {stats.tokens_per_second:.1f} | "
                   f"{stats.seconds:.2f} s | {stats.finish_reason}]")
+    return 0
+
+
+def read_prompt_file(path: str) -> list[str]:
+    """Prompts of a JSONL file of {"prompt": ...} or {"query": ...} records; errors name the line."""
+    prompts = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+            prompt = record.get("prompt", record.get("query")) if isinstance(record, dict) else None
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise ValueError(f'{path}:{number}: expected a non-empty "prompt" (or "query") string')
+            prompts.append(prompt)
+    return prompts
+
+
+def run_file(args: argparse.Namespace) -> int:
+    """Decode every prompt of --input in batches, appending one JSON line per prompt to --output."""
+    import refusion
+
+    if not (args.input and args.output):
+        raise ValueError("--input and --output go together")
+    if args.prompts:
+        raise ValueError("give either PROMPT arguments or --input, not both")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size={args.batch_size} is invalid: must be >= 1")
+    prompts = read_prompt_file(args.input)
+    done = 0
+    if os.path.exists(args.output):
+        with open(args.output, encoding="utf-8") as f:
+            done = sum(1 for line in f if line.strip())
+    base = {}
+    if args.model is None:
+        from refusion.model.embedded import default_decode_settings_or_none
+        base = default_decode_settings_or_none() or {}
+    cfg = decode_config_from_args(args, base)
+    if done >= len(prompts):
+        print(f"{args.output} already holds {done} responses for {len(prompts)} prompts: nothing to do")
+        return 0
+    model, tokenizer = refusion.load(args.model, dtype=args.dtype, device=args.device)
+    from tqdm import tqdm
+
+    with open(args.output, "a", encoding="utf-8") as out_file, tqdm(total=len(prompts), initial=done,
+                                                                    desc="generate") as bar:
+        for start in range(done, len(prompts), args.batch_size):
+            batch = prompts[start:start + args.batch_size]
+            ids = refusion.encode_prompts(tokenizer, batch, chat=not args.no_chat, system=args.system)
+            out = refusion.generate(model, ids, cfg)
+            for prompt, tokens, stats in zip(batch, out.sequences, out.stats.per_sequence):
+                text = tokenizer.decode(tokens, skip_special_tokens=True)
+                out_file.write(json.dumps({"query": prompt, "response": text, "stats": stats.to_dict()}) + "\n")
+            out_file.flush()
+            bar.update(len(batch))
     return 0
