@@ -92,12 +92,15 @@ def _load_gsm8k(path: Path) -> list[Example]:
             for i, r in enumerate(_read_jsonl(path))]
 
 
-def _score_gsm8k(examples, responses, options) -> list[Score]:
-    scores = []
-    for ex, response in zip(examples, responses, strict=True):
-        value = scoring.extract_final_number(response)
-        scores.append(Score(scoring.numbers_equal(value, ex.reference), value))
-    return scores
+def _score_by(extract, equal):
+    """A scorer that extracts an answer from each response and compares it with the example's reference."""
+    def score(examples, responses, options) -> list[Score]:
+        answers = [extract(response) for response in responses]
+        return [Score(equal(answer, ex.reference), answer) for ex, answer in zip(examples, answers, strict=True)]
+    return score
+
+
+_score_gsm8k = _score_by(scoring.extract_final_number, scoring.numbers_equal)
 
 
 def _load_math500(path: Path) -> list[Example]:
@@ -109,12 +112,7 @@ def _load_math(path: Path) -> list[Example]:
             for i, r in enumerate(_read_jsonl(path))]
 
 
-def _score_math(examples, responses, options) -> list[Score]:
-    scores = []
-    for ex, response in zip(examples, responses, strict=True):
-        answer = scoring.extract_math_answer(response)
-        scores.append(Score(scoring.math_equal(answer, ex.reference), answer))
-    return scores
+_score_math = _score_by(scoring.extract_math_answer, scoring.math_equal)
 
 
 # ---------------------------------------------------------------------------------------------------
