@@ -44,15 +44,11 @@ def quiet_libraries() -> None:
     """Keep transformers' load-time warnings and progress bars off the terminal (REFUSION_VERBOSE=1 keeps them)."""
     if os.environ.get("REFUSION_VERBOSE"):
         return
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    if "transformers" in sys.modules:
-        from transformers.utils import logging as hf_logging
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-    else:
-        import transformers.utils.logging as hf_logging
-        hf_logging.disable_progress_bar()
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,10 +41,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
 
 
-def decode_config_from_args(args: argparse.Namespace, base: dict | None = None) -> DecodeConfig:
-    """DecodeConfig from `base` kwargs, then the preset, then the explicit flags."""
+def decode_config_from_args(args: argparse.Namespace) -> DecodeConfig:
+    """DecodeConfig from the embedded model's settings (when no --model is given), then the preset, then the
+    explicit flags."""
     from refusion.config import preset
-    kwargs = dict(base or {})
+    from refusion.model.embedded import default_decode_settings_or_none
+
+    kwargs = (default_decode_settings_or_none() or {}) if getattr(args, "model", None) is None else {}
     if getattr(args, "preset", None):
         kwargs.update(preset(args.preset))
     for _, field, _, _ in DECODE_FLAGS:
@@ -87,11 +90,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("empty prompt: give some text to respond to")
     import refusion
 
-    base = {}
-    if args.model is None:
-        from refusion.model.embedded import default_decode_settings_or_none
-        base = default_decode_settings_or_none() or {}
-    cfg = decode_config_from_args(args, base)  # validated before the model loads
+    cfg = decode_config_from_args(args)  # validated before the model loads
     if args.trace:
         from refusion.viz.schema import check_writable
         check_writable(args.trace)
@@ -158,11 +157,7 @@ def run_file(args: argparse.Namespace) -> int:
     if os.path.exists(args.output):
         with open(args.output, encoding="utf-8") as f:
             done = sum(1 for line in f if line.strip())
-    base = {}
-    if args.model is None:
-        from refusion.model.embedded import default_decode_settings_or_none
-        base = default_decode_settings_or_none() or {}
-    cfg = decode_config_from_args(args, base)
+    cfg = decode_config_from_args(args)
     if done >= len(prompts):
         print(f"{args.output} already holds {done} responses for {len(prompts)} prompts: nothing to do")
         return 0

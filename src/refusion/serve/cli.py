@@ -65,11 +65,7 @@ def run(args: argparse.Namespace) -> int:
     import refusion
     from refusion.serve.app import create_app
 
-    base = {}
-    if args.model is None:
-        from refusion.model.embedded import default_decode_settings_or_none
-        base = default_decode_settings_or_none() or {}
-    cfg = decode_config_from_args(args, base)  # validated before the model loads
+    cfg = decode_config_from_args(args)  # validated before the model loads
     model, tokenizer = refusion.load(args.model, dtype=args.dtype, device=args.device)
     set_cpu_threads(model, args.threads)
     app = create_app(model, tokenizer, config=cfg, model_name=args.served_model_name or served_name(args.model),
