@@ -90,33 +90,33 @@ class Sequence:
         if self.on_round is not None:
             self.on_round(self, rnd)
 
+    def _committed_in_order(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, positions) of the context sorted by position."""
+        tokens, positions = torch.cat(self.committed_tokens), torch.cat(self.committed_positions)
+        order = torch.argsort(positions)
+        return tokens[order], positions[order]
+
+    def _as_response(self, tokens: torch.Tensor) -> list[int]:
+        """Response tokens cut after the first EOS and at max_new_tokens."""
+        return tokens[cut_after_first_eos(self.is_eos(tokens))][: self.cfg.max_new_tokens].tolist()
+
     def response(self) -> list[int]:
         """Committed response tokens in position order, up to and including the first EOS."""
         if not self.committed_tokens:
             return []
-        tokens = torch.cat(self.committed_tokens)
-        positions = torch.cat(self.committed_positions)
-        order = torch.argsort(positions)
-        tokens, positions = tokens[order], positions[order]
-        response = tokens[positions >= self.prompt_length]
-        response = response[cut_after_first_eos(self.is_eos(response))]
-        return response[: self.cfg.max_new_tokens].tolist()
+        tokens, positions = self._committed_in_order()
+        return self._as_response(tokens[positions >= self.prompt_length])
 
     def contiguous_response(self) -> list[int]:
         """The response prefix whose every position is committed (what a stream may show)."""
         if not self.committed_tokens:
             return []
-        positions = torch.cat(self.committed_positions)
-        tokens = torch.cat(self.committed_tokens)
+        tokens, positions = self._committed_in_order()
         present = torch.zeros(self.prompt_length + self.cfg.canvas_length + 1, dtype=torch.bool, device=self.device)
         present[positions] = True
         missing = (~present[self.prompt_length:]).nonzero()
         end = self.prompt_length + (int(missing[0]) if missing.numel() else self.cfg.canvas_length)
-        order = torch.argsort(positions)
-        tokens, positions = tokens[order], positions[order]
-        span = tokens[(positions >= self.prompt_length) & (positions < end)]
-        span = span[cut_after_first_eos(self.is_eos(span))]
-        return span[: self.cfg.max_new_tokens].tolist()
+        return self._as_response(tokens[(positions >= self.prompt_length) & (positions < end)])
 
 
 def _slot_events(starts: torch.Tensor, tokens: list[torch.Tensor], scores=None) -> list[SlotEvent]:
