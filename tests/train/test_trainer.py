@@ -137,3 +137,31 @@ def test_two_process_cpu_run(tiny_dir, data_file, tmp_path):
     assert summary["processes"] == 2 and summary["ranks_in_sync"]  # the model stays in sync
     assert [m["step"] for m in _metrics(out)] == [1, 2, 3, 4]
     assert (out / "checkpoints" / "step-0000004" / "trainer_state.json").is_file()
+
+
+def test_lora_adapters_load_as_models_and_seed_a_new_run(tiny_dir, data_file, tmp_path):
+    import refusion
+
+    train(_config(tiny_dir, data_file, tmp_path / "a", max_steps=4, save_every=2, lora=True, lora_rank=4, lr=1e-2))
+    snapshot = tmp_path / "a" / "checkpoints" / "step-0000004" / "adapter"
+    assert (tmp_path / "a" / "checkpoints" / "step-0000002" / "adapter" / "adapter_config.json").is_file()
+    ids = torch.tensor([[1, 5, 9, 63, 63]])
+    logits = {}
+    for name, path in [("merged", tmp_path / "a"), ("adapter", tmp_path / "a" / "adapter"), ("snapshot", snapshot)]:
+        model, tokenizer = refusion.load(path, dtype="float32", device="cpu")
+        assert tokenizer.convert_tokens_to_ids("<|mask|>") == 63
+        logits[name] = model(ids).logits
+    torch.testing.assert_close(logits["adapter"], logits["merged"])
+    torch.testing.assert_close(logits["snapshot"], logits["merged"])
+    base, _ = refusion.load(tiny_dir, dtype="float32", device="cpu")
+    assert not torch.allclose(base(ids).logits, logits["merged"])
+
+    # a new run seeded with the adapter starts where the first one ended
+    train(_config(tiny_dir, data_file, tmp_path / "b", max_steps=1, lora=True, lora_init=str(tmp_path / "a" / "adapter"),
+                  lr=1e-9))
+    fresh = train(_config(tiny_dir, data_file, tmp_path / "c", max_steps=1, lora=True, lora_rank=4, lr=1e-9))
+    assert _metrics(tmp_path / "b")[0]["loss"] < fresh.final_metrics["loss"]  # same batch, trained adapter
+    with pytest.raises(ValueError, match="lora_init"):
+        _config(tiny_dir, data_file, tmp_path / "d", lora=True, lora_init=str(tmp_path))
+    with pytest.raises(ValueError, match="needs --lora"):
+        _config(tiny_dir, data_file, tmp_path / "d", lora_init=str(tmp_path / "a" / "adapter"))

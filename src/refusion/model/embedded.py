@@ -24,20 +24,9 @@ def embedded_source() -> tuple[str, dict]:
     if not embedded_available():
         raise ValueError("this build of refusion ships no embedded default model: pass a model "
                          "(--model PATH, a HF directory, a .gguf file, a hub id, or 'smollm2' for the base AR model)")
-    from refusion.model.loading import smollm2_gguf_path
+    from refusion.model.loading import _source
 
-    gguf = smollm2_gguf_path()
-    return str(gguf.parent), {"gguf_file": gguf.name, "post_load": attach_adapter}
-
-
-def attach_adapter(model, tokenizer):
-    """Add <|mask|> to the base, apply the shipped adapter (LoRA + mask row) and merge it."""
-    from peft import PeftModel
-
-    from refusion.model.prepare import add_mask_token
-
-    add_mask_token(model, tokenizer)
-    return PeftModel.from_pretrained(model, str(ADAPTER_DIR)).merge_and_unload()
+    return _source(str(ADAPTER_DIR))
 
 
 def default_decode_settings() -> dict:

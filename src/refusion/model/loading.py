@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from refusion.model.adapter import adapter_base, adapter_post_load, is_adapter_dir
+
 MASK_TOKEN = "<|mask|>"
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -66,6 +68,11 @@ def _source(path: str | os.PathLike | None) -> tuple[str, dict]:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"GGUF file {path} does not exist")
         return str(Path(path).parent), {"gguf_file": Path(path).name}
+    if os.path.isdir(path) and is_adapter_dir(path):
+        base_source, extra = _source(adapter_base(path))
+        if "post_load" in extra:
+            raise ValueError(f"adapter {path}: its base is itself an adapter; merge that one first")
+        return base_source, {**extra, "post_load": adapter_post_load(path)}
     if os.path.isdir(path):
         if not (Path(path) / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a transformers model directory (no config.json)")

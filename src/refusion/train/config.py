@@ -9,6 +9,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import os
 from dataclasses import dataclass
 
 OBJECTIVES = ("hybrid", "ar")
@@ -111,6 +112,10 @@ class TrainConfig:
     lora_target_modules: str = "all-linear"
     """peft target_modules: "all-linear" or a comma-separated list of module names."""
 
+    lora_init: str | None = None
+    """Start the LoRA weights (and the mask row) from a saved adapter directory, e.g. output/adapter of an
+    earlier LoRA run on the same base, instead of a fresh adapter; its rank and targets are kept."""
+
     merge_lora: bool = True
     """After a LoRA run, also write the merged full model to the output directory (the adapter is always
     saved in output/adapter)."""
@@ -196,6 +201,9 @@ class TrainConfig:
                  "must be > 0")
         _require(isinstance(self.lora_dropout, (int, float)) and 0 <= self.lora_dropout < 1,
                  "lora_dropout", self.lora_dropout, "must be in [0, 1)")
+        _require(self.lora_init is None or self.lora, "lora_init", self.lora_init, "needs --lora")
+        _require(self.lora_init is None or os.path.isfile(os.path.join(str(self.lora_init), "adapter_config.json")),
+                 "lora_init", self.lora_init, "must be an adapter directory (with adapter_config.json)")
         _require(self.resume is None or (isinstance(self.resume, str) and bool(self.resume)), "resume", self.resume,
                  '"latest" or a checkpoint directory')
 

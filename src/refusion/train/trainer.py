@@ -89,12 +89,15 @@ def resolve_resume(config: TrainConfig) -> Path | None:
     return None
 
 
-def save_checkpoint(accelerator, output: Path, state: TrainState, config: TrainConfig) -> Path:
-    """Model, optimizer, scheduler and RNG state via accelerate, then trainer_state.json (marks it complete)."""
+def save_checkpoint(accelerator, output: Path, state: TrainState, config: TrainConfig, objective=None) -> Path:
+    """Model, optimizer, scheduler and RNG state via accelerate, then trainer_state.json (marks it complete).
+    LoRA runs also get the adapter as of this step in adapter/ (loadable with `refusion.load`)."""
     path = output / CHECKPOINTS / f"step-{state.step:07d}"
     accelerator.save_state(str(path), safe_serialization=False)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        if config.lora and objective is not None:
+            accelerator.unwrap_model(objective).model.save_pretrained(path / "adapter")
         record = {"step": state.step, "tokens": state.tokens, "world_size": accelerator.num_processes,
                   "config": config.to_dict()}
         (path / TRAINER_STATE).write_text(json.dumps(record, indent=2))
@@ -132,8 +135,10 @@ def load_model_and_tokenizer(name: str):
 
 def apply_lora(model, config: TrainConfig, mask_token_id: int):
     """Wrap in a peft LoRA model; the mask token's embedding row stays trainable (peft trainable tokens)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, PeftModel, get_peft_model
 
+    if config.lora_init is not None:
+        return PeftModel.from_pretrained(model, config.lora_init, is_trainable=True)
     targets = config.lora_target_modules
     targets = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
     lora_config = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
@@ -333,7 +338,7 @@ def _run_steps(config, accelerator, objective, optimizer, scheduler, parameters,
                     f.write(json.dumps(last) + "\n")
                 progress.set_postfix(loss=f"{last['loss']:.4f}", lr=f"{last['lr']:.2e}")
         if config.save_every and state.step % config.save_every == 0:
-            save_checkpoint(accelerator, output, state, config)
+            save_checkpoint(accelerator, output, state, config, objective)
         if on_step is not None:
             on_step(last if last and last["step"] == state.step else {"step": state.step})
     progress.close()
