@@ -1,4 +1,4 @@
-"""The `refusion` command line: generate | train | eval | bench | serve | trace.
+"""The `refusion` command line: generate | train | eval | bench | serve | trace | export-adapter.
 
 Each subcommand lives next to the code it drives and exposes `add_parser(subparsers)`; heavy imports
 happen inside the command, so `refusion --help` stays fast.
@@ -18,6 +18,7 @@ SUBCOMMANDS = [
     "refusion.eval.cli",
     "refusion.serve.cli",
     "refusion.viz.cli",
+    "refusion.model.adapter",
 ]
 
 

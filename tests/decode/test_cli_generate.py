@@ -83,3 +83,18 @@ def test_generate_from_a_bad_file_names_the_line(model_dir, tmp_path, capsys):
     source.write_text('{"prompt": "ok"}\n{"text": "no prompt field"}\n')
     assert main(["generate", "--model", model_dir, "--input", str(source), "--output", str(tmp_path / "o.jsonl")]) == 2
     assert f"{source}:2" in capsys.readouterr().err
+
+
+def test_generate_from_a_builtin_split_uses_the_eval_prompt_format(model_dir, tmp_path, monkeypatch, capsys):
+    from refusion.eval.tasks import BOXED_INSTRUCTION
+
+    monkeypatch.chdir(tmp_path)  # "gsm8k" is not a file here: it names the built-in train split
+    target = tmp_path / "distill.jsonl"
+    argv = ["generate", "--model", model_dir, "--input", "gsm8k", "--limit", "3", "--output", str(target),
+            "--batch-size", "3", "--max-new-tokens", "4", "--strategy", "autoregressive"]
+    assert main(argv) == 0
+    records = [json.loads(line) for line in target.read_text().splitlines()]
+    assert len(records) == 3
+    assert records[0]["query"].startswith("Natalia sold clips") and records[0]["query"].endswith(BOXED_INSTRUCTION)
+    assert main([*argv, "--limit", "0"]) == 2
+    assert "--limit=0" in capsys.readouterr().err

@@ -161,6 +161,18 @@ def test_lora_adapters_load_as_models_and_seed_a_new_run(tiny_dir, data_file, tm
                   lr=1e-9))
     fresh = train(_config(tiny_dir, data_file, tmp_path / "c", max_steps=1, lora=True, lora_rank=4, lr=1e-9))
     assert _metrics(tmp_path / "b")[0]["loss"] < fresh.final_metrics["loss"]  # same batch, trained adapter
+    # shipped form: bf16 tensors (half the bytes), portable base; loads to the same model up to bf16 rounding
+    from refusion.cli import main as cli_main
+
+    assert cli_main(["export-adapter", str(tmp_path / "a" / "adapter"), str(tmp_path / "ship")]) == 0
+    shipped = json.loads((tmp_path / "ship" / "adapter_config.json").read_text())
+    assert shipped["base_model_name_or_path"] == str(tiny_dir)
+    size = {p: (p / "adapter_model.safetensors").stat().st_size for p in (tmp_path / "a" / "adapter", tmp_path / "ship")}
+    assert size[tmp_path / "ship"] < 0.6 * size[tmp_path / "a" / "adapter"]
+    model, _ = refusion.load(tmp_path / "ship", dtype="float32", device="cpu")
+    rounding = (model(ids).logits - logits["merged"]).abs().max()
+    assert rounding < 0.05 * (base(ids).logits - logits["merged"]).abs().max()
+    assert cli_main(["export-adapter", str(tmp_path / "a" / "adapter"), str(tmp_path / "ship")]) == 2  # not clobbered
     with pytest.raises(ValueError, match="lora_init"):
         _config(tiny_dir, data_file, tmp_path / "d", lora=True, lora_init=str(tmp_path))
     with pytest.raises(ValueError, match="needs --lora"):

@@ -62,7 +62,9 @@ def add_parser(subparsers) -> None:
                                           "for every record of --input, written to --output.")
     p.add_argument("prompts", nargs="*", metavar="PROMPT")
     p.add_argument("--input", default=None, metavar="JSONL",
-                   help='prompts from a JSONL file of {"prompt": ...} (or "query") records')
+                   help='prompts from a JSONL file of {"prompt": ...} (or "query") records, or the questions of a '
+                        "built-in train split (gsm8k, mbpp, math) in `refusion eval`'s prompt format")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="with --input: only the first N prompts")
     p.add_argument("--output", default=None, metavar="JSONL",
                    help='with --input: write {"query", "response", "stats"} lines here (the training data format); '
                         "an existing file is continued, never overwritten")
@@ -125,7 +127,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def read_prompt_file(path: str) -> list[str]:
-    """Prompts of a JSONL file of {"prompt": ...} or {"query": ...} records; errors name the line."""
+    """Prompts of a JSONL file of {"prompt": ...} or {"query": ...} records (errors name the line), or of a
+    built-in train split when `path` is its name and no such file exists."""
+    from refusion.train.data import BUILTIN_DATASETS, builtin_conversations
+
+    if path in BUILTIN_DATASETS and not os.path.exists(path):
+        return [c.messages[-1]["content"] for c in builtin_conversations(path)]
     prompts = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
@@ -152,7 +159,9 @@ def run_file(args: argparse.Namespace) -> int:
         raise ValueError("give either PROMPT arguments or --input, not both")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size={args.batch_size} is invalid: must be >= 1")
-    prompts = read_prompt_file(args.input)
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit={args.limit} is invalid: must be >= 1")
+    prompts = read_prompt_file(args.input)[:args.limit]
     done = 0
     if os.path.exists(args.output):
         with open(args.output, encoding="utf-8") as f:
