@@ -53,7 +53,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", default=None, help="first N examples of each task (default: all)")
     p.add_argument("--batch-size", default="1", help="prompts decoded together (default 1, as in the paper)")
     p.add_argument("--preset", default=None,
-                   help="decoding preset for every task (default: each task's paper preset)")
+                   help="decoding preset for every task (default: each task's paper preset; without --model, "
+                        "the embedded model's preset)")
     p.add_argument("--max-new-tokens", default=DEFAULT_MAX_NEW_TOKENS, type=int,
                    help=f"most response tokens (default {DEFAULT_MAX_NEW_TOKENS}, the paper's gen_length)")
     for flag, field, kind, text in OVERRIDE_FLAGS:
@@ -88,10 +89,19 @@ def settings_from_args(args: argparse.Namespace, tasks: list[str], strategies: l
     overrides = {field: getattr(args, field) for _, field, _, _ in OVERRIDE_FLAGS if getattr(args, field) is not None}
     return EvalSettings(
         tasks=tasks, strategies=strategies, limit=positive_int("limit", args.limit),
-        batch_size=positive_int("batch-size", args.batch_size), preset=args.preset, overrides=overrides,
+        batch_size=positive_int("batch-size", args.batch_size), preset=_preset(args), overrides=overrides,
         max_new_tokens=args.max_new_tokens, data_dir=args.data_dir, chat=not args.no_chat,
         warmup=not args.no_warmup, progress=not args.no_progress,
         score=ScoreOptions(SandboxLimits(timeout=args.timeout, memory_mb=args.memory_mb), args.workers))
+
+
+def _preset(args: argparse.Namespace) -> str | None:
+    """--preset; without it, the embedded model's own preset when no --model is given (else each task's)."""
+    from refusion.model.embedded import PRESET_NAME, embedded_available
+
+    if args.preset is None and getattr(args, "model", None) is None and embedded_available():
+        return PRESET_NAME
+    return args.preset
 
 
 def _split(values: list[str]) -> list[str]:
