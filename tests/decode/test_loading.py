@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import refusion
+from refusion.model import embedded
 from refusion.model.tiny import TINY_MASK_ID, tiny_model, tiny_tokenizer
 
 
@@ -59,10 +60,23 @@ def test_smollm2_gguf_loads_as_plain_model_with_im_end_eos():
 
 
 def test_without_embedded_model_the_default_is_a_clear_error(monkeypatch):
-    from refusion.model import embedded
-
     monkeypatch.setattr(embedded, "ADAPTER_DIR", embedded.ASSET_DIR / "missing")
     with pytest.raises(ValueError, match="ships no embedded default model"):
         refusion.load()
     with pytest.raises(ValueError, match="ships no embedded default model"):
         refusion.default_decode_settings()
+
+
+@pytest.mark.skipif(not embedded.embedded_available(), reason="this build ships no embedded model")
+def test_embedded_model_loads_offline_and_answers_with_its_preset():
+    shipped = sum(p.stat().st_size for p in embedded.ADAPTER_DIR.rglob("*") if p.is_file())
+    assert shipped <= 30 * 2**20  # the package budget for shipped weights
+    model, tokenizer = refusion.load(device="cpu")
+    assert model.config.mask_token_id == tokenizer.convert_tokens_to_ids("<|mask|>") == 49152
+    settings = refusion.default_decode_settings()
+    assert settings == refusion.preset(embedded.PRESET_NAME)
+    ids = refusion.encode_prompts(tokenizer, ["What is 12 times 7?"])
+    out = refusion.generate(model, ids, refusion.DecodeConfig(**{**settings, "max_new_tokens": 128}))
+    stats = out.stats.per_sequence[0]
+    assert stats.finish_reason == "eos" and stats.tokens > 1  # a complete answer, ended by <|im_end|>
+    assert out.sequences[0][-1] == tokenizer.convert_tokens_to_ids("<|im_end|>")

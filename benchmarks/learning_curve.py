@@ -1,0 +1,60 @@
+"""Accuracy and tokens per forward of ReFusion and AR decoding at several checkpoints of a training run.
+
+Each MODEL is anything `refusion.load` takes: a model directory, or an adapter directory such as
+runs/x/checkpoints/step-0000100/adapter of a LoRA run. Every checkpoint decodes the same first N problems of
+the task with both strategies and the same settings. Accuracy and tokens/forward do not depend on the batch
+size (decoding a batch equals decoding one prompt at a time), so the curve is measured batched for speed;
+tokens/s is printed but is not the batch-1 figure. One JSON line per checkpoint, then a markdown table.
+
+    python benchmarks/learning_curve.py runs/a/checkpoints/step-0000200/adapter runs/a/adapter \
+        --task gsm8k --limit 50 --batch-size 16 --preset refusion-smol --label "teacher 200" --label "teacher 400"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import refusion
+from refusion.eval.runner import EvalSettings, evaluate
+
+
+def curve_point(path: str, args: argparse.Namespace) -> dict:
+    model, tokenizer = refusion.load(path, dtype=args.dtype)
+    settings = EvalSettings(tasks=[args.task], strategies=["refusion", "autoregressive"], limit=args.limit,
+                            batch_size=args.batch_size, preset=args.preset, max_new_tokens=args.max_new_tokens,
+                            progress=False)
+    results = evaluate(model, tokenizer, settings)["results"][args.task]
+    keys = ("accuracy", "tokens_per_forward", "mean_generated_length", "eos_rate", "tokens_per_second")
+    return {strategy: {k: results[strategy][k] for k in keys} for strategy in settings.strategies}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="+", metavar="MODEL")
+    parser.add_argument("--label", action="append", default=None, help="name of each MODEL, in order")
+    parser.add_argument("--task", default="gsm8k")
+    parser.add_argument("--limit", type=int, default=50)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--preset", default=None, help="decoding preset (default: the task's)")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--dtype", default=None)
+    args = parser.parse_args()
+    labels = args.label or args.models
+    if len(labels) != len(args.models):
+        parser.error(f"{len(labels)} --label for {len(args.models)} models")
+    rows = []
+    for label, path in zip(labels, args.models):
+        point = {"label": label, "model": path, **curve_point(path, args)}
+        rows.append(point)
+        print(json.dumps(point), flush=True)
+    print(f"\n| checkpoint | ReFusion acc. | ReFusion TPF | AR acc. | ReFusion / AR mean length |  (first {args.limit})")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        f, a = r["refusion"], r["autoregressive"]
+        print(f"| {r['label']} | {100 * f['accuracy']:.1f} % | {f['tokens_per_forward']:.2f} | "
+              f"{100 * a['accuracy']:.1f} % | {f['mean_generated_length']:.0f} / {a['mean_generated_length']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
