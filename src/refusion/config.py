@@ -87,7 +87,8 @@ class DecodeConfig:
         return dataclasses.asdict(self)
 
 
-# Named decoding presets: the paper's per-task settings (ALGORITHM.md §5) and the demo setting.
+# Named decoding presets: the paper's per-task settings (ALGORITHM.md §5), the demo setting, and the embedded
+# model's own (picked by a sweep on GSM8K, docs/BENCHMARKS.md; `refusion.default_decode_settings()`).
 PRESETS: dict[str, dict] = {
     "demo": dict(slot_size=4, slot_threshold=0.6, token_threshold=0.3, block_size=16),
     "mmlu_pro": dict(slot_size=16, slot_threshold=0.9, token_threshold=0.4, block_size=128),
@@ -97,6 +98,7 @@ PRESETS: dict[str, dict] = {
     "gpqa": dict(slot_size=8, slot_threshold=0.8, token_threshold=0.2, block_size=16),
     "humaneval": dict(slot_size=32, slot_threshold=0.9, token_threshold=0.4, block_size=128),
     "mbpp": dict(slot_size=32, slot_threshold=0.9, token_threshold=0.3, block_size=128),
+    "refusion-smol": dict(slot_size=8, slot_threshold=0.7, token_threshold=0.3, block_size=16),
 }
 
 

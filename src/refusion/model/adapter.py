@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import warnings
 from pathlib import Path
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -37,7 +39,9 @@ def attach_adapter(adapter_dir: str | Path, model, tokenizer):
     from refusion.model.prepare import add_mask_token
 
     add_mask_token(model, tokenizer)
-    return PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    with warnings.catch_warnings():  # peft calls a transformers property deprecated in v5 (a FutureWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        return PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
 
 
 def adapter_post_load(adapter_dir: str | Path):
@@ -68,6 +72,7 @@ def export_adapter(source: str | Path, target: str | Path, *, dtype: str = "bflo
     config.update(base_model_name_or_path=adapter_base(source), inference_mode=True)
     target.mkdir(parents=True, exist_ok=True)
     save_file(tensors, target / "adapter_model.safetensors", metadata={"format": "pt"})
+    os.chmod(target / "adapter_model.safetensors", 0o644)  # package data: readable by every user
     (target / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return target / "adapter_model.safetensors"
 
