@@ -57,10 +57,10 @@ def cli():
     (["eval", "--task", "gsm8k", "--batch-size", "0"], "--batch-size"),
     (["eval", "--task", "gsm8k", "--strategy", "refusion,greedy"], "strategy"),
     (["eval", "--task", "gsm8k", "--data-dir", "/nonexistent"], "not found"),
-    (["eval", "--task", "arc_challenge", "--slot-size", "16"], "block_size"),
+    (["eval", "--task", "arc_challenge", "--slot-size", "16", "--block-size", "8"], "block_size"),
     (["bench", "--task", "gsm8k"], "no --sweep"),
     (["bench", "--task", "gsm8k", "--sweep", "slot_size=4;8"], "not a valid int"),
-    (["bench", "--task", "arc_challenge", "--sweep", "slot_size=4,16"], "slot_size=16"),
+    (["bench", "--task", "arc_challenge", "--block-size", "8", "--sweep", "slot_size=4,16"], "slot_size=16"),
 ])
 def test_bad_input_is_one_line(cli, capsys, argv, match, data_dir):
     assert cli(argv) == 2
