@@ -68,7 +68,7 @@ def _source(path: str | os.PathLike | None) -> tuple[str, dict]:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"GGUF file {path} does not exist")
         return str(Path(path).parent), {"gguf_file": Path(path).name}
-    if os.path.isdir(path) and is_adapter_dir(path):
+    if is_adapter_dir(path):
         base_source, extra = _source(adapter_base(path))
         if "post_load" in extra:
             raise ValueError(f"adapter {path}: its base is itself an adapter; merge that one first")

@@ -9,8 +9,9 @@ import ast
 import dataclasses
 import functools
 import inspect
-import os
 from dataclasses import dataclass
+
+from refusion.model.adapter import is_adapter_dir
 
 OBJECTIVES = ("hybrid", "ar")
 MIXED_PRECISION = ("auto", "bf16", "fp16", "no")
@@ -202,7 +203,7 @@ class TrainConfig:
         _require(isinstance(self.lora_dropout, (int, float)) and 0 <= self.lora_dropout < 1,
                  "lora_dropout", self.lora_dropout, "must be in [0, 1)")
         _require(self.lora_init is None or self.lora, "lora_init", self.lora_init, "needs --lora")
-        _require(self.lora_init is None or os.path.isfile(os.path.join(str(self.lora_init), "adapter_config.json")),
+        _require(self.lora_init is None or is_adapter_dir(self.lora_init),
                  "lora_init", self.lora_init, "must be an adapter directory (with adapter_config.json)")
         _require(self.resume is None or (isinstance(self.resume, str) and bool(self.resume)), "resume", self.resume,
                  '"latest" or a checkpoint directory')

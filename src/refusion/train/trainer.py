@@ -396,17 +396,14 @@ def merge_adapter(adapter_dir: str | Path, output: str | Path, *, base: str | No
     """Merge a saved LoRA adapter (output/adapter of a LoRA run) into its base model; write an HF directory.
 
     `base` is the --model of the run (needed for .gguf bases); None reads it from the adapter config."""
-    from peft import PeftModel
     from transformers import AutoTokenizer
 
-    from refusion.model.prepare import add_mask_token
+    from refusion.model.adapter import adapter_base, attach_adapter
 
     adapter_dir = Path(adapter_dir)
-    base_name = base or json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
-    base_model, _ = load_model_and_tokenizer(base_name)
+    base_model, _ = load_model_and_tokenizer(base or adapter_base(adapter_dir))
     tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
-    add_mask_token(base_model, tokenizer)
-    merged = PeftModel.from_pretrained(base_model, adapter_dir).merge_and_unload()
+    merged = attach_adapter(adapter_dir, base_model, tokenizer)
     merged.save_pretrained(output)
     tokenizer.save_pretrained(output)
     return Path(output)
