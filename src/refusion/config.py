@@ -9,13 +9,22 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-STRATEGIES = ("refusion", "autoregressive")
+STRATEGIES = ("refusion", "speculative", "autoregressive")
 KV_CACHE_MODES = ("reuse", "recompute")
+
+
+class ConfigError(ValueError):
+    """A setting with a bad value. Carries the field's name, the value and what is allowed, so that every
+    front end (CLI, server, Python) can name the field without parsing the message."""
+
+    def __init__(self, field: str, value, allowed: str):
+        self.field, self.value, self.allowed = field, value, allowed
+        super().__init__(f"{field}={value!r} is invalid: {allowed}")
 
 
 def _require(ok: bool, field: str, value, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"{field}={value!r} is invalid: {allowed}")
+        raise ConfigError(field, value, allowed)
 
 
 @dataclass(frozen=True)
@@ -45,7 +54,19 @@ class DecodeConfig:
     """Seed of the sampling generator (sequence i of a batch uses seed + i). Unused at temperature 0."""
 
     strategy: str = "refusion"
-    """"refusion" (plan and infill) or "autoregressive" (one token per forward, the baseline)."""
+    """"refusion" (the paper's plan and infill), "speculative" (masked drafts verified by the model's own AR
+    predictions: output identical to "autoregressive") or "autoregressive" (one token per forward, the baseline)."""
+
+    draft_length: int = 4
+    """speculative: drafted tokens verified per forward (the masks appended to each forward draft this many)."""
+
+    predraft: bool = False
+    """speculative: in each forward, draft the next tokens for every possible acceptance length (wider forwards,
+    drafts ready whatever is accepted) instead of one chain after the drafts (no drafts after a rejection)."""
+
+    fused_plan: bool = True
+    """refusion: when a round commits every slot it selected, the next round's plan rides on that round's last
+    forward as its own attention group: the same tokens, one forward fewer."""
 
     kv_cache: str = "reuse"
     """"reuse": slots completed in parallel keep their own KV (the paper's method); "recompute": their KV is
@@ -71,6 +92,10 @@ class DecodeConfig:
                  "temperature", self.temperature, "must be >= 0")
         _require(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "must be an integer or None")
         _require(self.strategy in STRATEGIES, "strategy", self.strategy, f"must be one of {', '.join(STRATEGIES)}")
+        _require(isinstance(self.draft_length, int) and self.draft_length >= 1,
+                 "draft_length", self.draft_length, "must be an integer >= 1")
+        for name in ("predraft", "fused_plan"):
+            _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be true or false")
         _require(self.kv_cache in KV_CACHE_MODES, "kv_cache", self.kv_cache,
                  f"must be one of {', '.join(KV_CACHE_MODES)}")
 
