@@ -18,7 +18,7 @@ from refusion.model.tiny import tiny_model
     ("token_threshold", -0.1, "[0, 1]"),
     ("max_new_tokens", 0, ">= 1"),
     ("temperature", -1.0, ">= 0"),
-    ("strategy", "beam", "refusion, autoregressive"),
+    ("strategy", "beam", "refusion, speculative, autoregressive"),
     ("kv_cache", "sometimes", "reuse, recompute"),
 ])
 def test_invalid_field_names_field_and_allowed_values(field, value, words):
