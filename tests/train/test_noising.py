@@ -107,10 +107,17 @@ def test_eos_slots_are_masked_and_labelled_eos():
 
 
 def test_ar_sample_is_plain_next_token():
+    # standard fine-tuning: the last prompt token predicts the first response token, so every response
+    # token (EOS included) is a target exactly once
     s = build_ar_sample(torch.tensor([10, 11]), torch.tensor([20, 21, 2]))
     assert s.input_ids.tolist() == [10, 11, 20, 21, 2]
     assert s.position_ids.tolist() == [0, 1, 2, 3, 4]
-    assert s.labels.tolist() == [-100, -100, 21, 2, -100] and not s.is_masked.any()
+    assert s.labels.tolist() == [-100, 20, 21, 2, -100] and not s.is_masked.any()
+
+
+def test_ar_sample_without_prompt_has_no_target_for_its_first_token():
+    s = build_ar_sample(torch.tensor([], dtype=torch.long), torch.tensor([20, 21, 2]))
+    assert s.labels.tolist() == [21, 2, -100]
 
 
 def test_collate_pads_right_with_continuing_positions():

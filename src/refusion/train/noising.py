@@ -120,10 +120,15 @@ def build_hybrid_sample(prompt_ids: torch.Tensor, response_ids: torch.Tensor, *,
 
 
 def build_ar_sample(prompt_ids: torch.Tensor, response_ids: torch.Tensor) -> NoisedSample:
-    """Plain next-token fine-tuning sample (the baseline objective): response tokens predict the next one."""
+    """Plain next-token fine-tuning sample (the baseline objective): the last prompt token predicts the
+    first response token, and each response token the next one, so every response token is a target."""
     R = response_ids.numel()
-    return arrange_slots(prompt_ids, response_ids, slot_size=R, slot_is_masked=torch.zeros(1, dtype=torch.bool),
-                         slot_order=torch.zeros(1, dtype=torch.long), mask_token_id=-1)
+    sample = arrange_slots(prompt_ids, response_ids, slot_size=R, slot_is_masked=torch.zeros(1, dtype=torch.bool),
+                           slot_order=torch.zeros(1, dtype=torch.long), mask_token_id=-1)
+    P = prompt_ids.numel()
+    if P and R:
+        sample.labels[P - 1] = response_ids[0]
+    return sample
 
 
 # 4. batch -------------------------------------------------------------------------------------------------
