@@ -100,3 +100,18 @@ def test_bad_input_exits_2_with_one_line(tmp_path, tiny_dir, data_file, capsys, 
     err = capsys.readouterr().err
     last = err.strip().splitlines()[-1]
     assert code == 2 and last.startswith("refusion train: error:") and message in last
+
+
+@pytest.mark.parametrize("extra", [[], ["--overwrite"]])
+@pytest.mark.parametrize("foreign", [{"notes.txt": "mine"}, {"config.json": "{}", "model.safetensors": "weights"}])
+def test_a_non_empty_directory_that_is_not_a_run_is_refused(tmp_path, tiny_dir, data_file, capsys, foreign, extra):
+    out = tmp_path / "someone-elses"
+    out.mkdir()
+    for name, text in foreign.items():
+        (out / name).write_text(text)
+    code = cli.main(["--model", str(tiny_dir), "--data", str(data_file), "--output", str(out), "--max-steps", "1",
+                     "--num-workers", "0", "--save-every", "0", *extra])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and lines[-1].startswith("refusion train: error:") and "holds no refusion training run" in lines[-1]
+    assert sorted(p.name for p in out.iterdir()) == sorted(foreign)  # nothing written, nothing changed
+    assert all((out / name).read_text() == text for name, text in foreign.items())

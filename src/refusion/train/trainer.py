@@ -64,11 +64,21 @@ def list_checkpoints(output: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
+def is_run_directory(output: str | Path) -> bool:
+    """Whether `output` was written by `train` (its summary, metrics or checkpoints are there)."""
+    output = Path(output)
+    return (output / SUMMARY).is_file() or (output / METRICS).is_file() or (output / CHECKPOINTS).is_dir()
+
+
 def resolve_resume(config: TrainConfig) -> Path | None:
-    """The checkpoint to resume from, or None; refuses to start fresh over an earlier run (nothing is deleted)."""
+    """The checkpoint to resume from, or None; refuses to start fresh over an earlier run (nothing is deleted)
+    and to write into a non-empty directory that is not a run at all (someone else's files)."""
     output = Path(config.output)
     if output.exists() and not output.is_dir():
         raise ValueError(f"output {output} exists and is not a directory")
+    if output.is_dir() and any(output.iterdir()) and not is_run_directory(output):
+        raise ValueError(f"output {output} is not empty and holds no refusion training run; choose a new or empty "
+                         f"--output (nothing was written)")
     checkpoints = list_checkpoints(output)
     if config.resume == "latest":
         if not checkpoints:
