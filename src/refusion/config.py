@@ -39,7 +39,9 @@ class DecodeConfig:
 
     block_size: int = 32
     """b: the canvas is decoded left to right in blocks of b tokens; a positive multiple of slot_size.
-    The last block is shorter when the canvas is not a multiple of b (it is always a whole number of slots)."""
+    The last block is shorter when the canvas is not a multiple of b (it is always a whole number of slots);
+    so a block longer than the canvas (max_new_tokens=8, block_size=32) is clipped to the canvas, one block
+    (an extension: the paper's code requires the canvas to be a multiple of b)."""
 
     slot_threshold: float = 0.9
     """tau_slot: a slot is planned when the confidence of its first drafted token exceeds this."""
