@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 import time
 
 import httpx
 import pytest
 
-from .conftest import MODEL, live_server
+from .conftest import MODEL, LiveServer, live_server, make_app
 
 openai = pytest.importorskip("openai")
 
@@ -108,3 +110,81 @@ def test_a_failed_step_fails_its_requests_and_the_server_goes_on(tiny):
             live.client().chat.completions.create(**body(max_tokens=4))
         assert live.client().chat.completions.create(**body(max_tokens=4)).usage.completion_tokens == 4
         assert live.scheduler.status()["failed"] == 1
+
+
+def test_64_concurrent_clients_against_a_queue_of_8(tiny):
+    with live_server(tiny, max_batch_size=4, max_queue=8) as live:
+        live.scheduler.pause()  # nothing is admitted: exactly max_queue requests fit, the rest are refused
+        responses, lock = [], threading.Lock()
+
+        def ask():
+            r = httpx.post(f"{live.url}/v1/chat/completions", json=body(max_tokens=4), timeout=60)
+            with lock:
+                responses.append(r)
+
+        threads = [threading.Thread(target=ask) for _ in range(64)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while len(responses) < 56 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(responses) == 56 and live.scheduler.status()["waiting"] == 8
+        for r in responses:
+            assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+            error = r.json()["error"]
+            assert error["code"] == "queue_full" and error["type"] == "server_error" and "busy" in error["message"]
+        live.scheduler.resume()
+        for t in threads:
+            t.join(60)
+        ok = [r for r in responses if r.status_code == 200]
+        assert len(responses) == 64 and len(ok) == 8
+        assert all(r.json()["usage"]["completion_tokens"] == 4 for r in ok)
+        status = live.wait_idle()
+        assert status["rejected"] == 56 and status["completed"] == 8 and status["failed"] == 0
+        assert httpx.get(f"{live.url}/health").json()["status"] == "ok"  # no crash: still serving
+        assert live.client().chat.completions.create(**body(max_tokens=4)).usage.completion_tokens == 4
+
+
+class _AsgiSpec:
+    """The app as an ASGI server of another spec version sees it (2.4: no disconnect listener in Starlette's
+    StreamingResponse, and uvicorn drops writes to a closed connection silently)."""
+
+    def __init__(self, app, spec_version: str):
+        self.app, self.state, self.spec_version = app, app.state, spec_version
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            scope = {**scope, "asgi": {**scope.get("asgi", {}), "spec_version": self.spec_version}}
+        await self.app(scope, receive, send)
+
+
+def _send_and_hang_up(port: int, path: str, payload: dict) -> None:
+    """A client that sends its request and disconnects before reading anything."""
+    raw = json.dumps(payload).encode()
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+
+
+@pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_client_that_leaves_before_its_first_chunk_is_cancelled(tiny, spec_version, stream, path):
+    with LiveServer(_AsgiSpec(make_app(tiny, max_batch_size=1), spec_version)) as live:
+        step = live.scheduler.decoder.step
+
+        def slow_step():  # 600 steps would take > 12 s: only a cancellation ends it sooner
+            time.sleep(0.02)
+            return step()
+
+        live.scheduler.decoder.step = slow_step
+        payload = long_body(stream=stream)
+        if path == "/v1/completions":
+            payload["prompt"] = payload.pop("messages")[0]["content"]
+        _send_and_hang_up(live.port, path, payload)
+        deadline = time.monotonic() + 10
+        while live.scheduler.status()["cancelled"] + live.scheduler.status()["completed"] == 0:
+            assert time.monotonic() < deadline, f"still decoding for a client that left: {live.scheduler.status()}"
+            time.sleep(0.02)
+        status = live.wait_idle()
+        assert status["cancelled"] == 1 and status["completed"] == 0 and status["steps"] < 200

@@ -208,7 +208,7 @@ async def _generate(server: Server, request: Request, body, prompts: list[list[i
     # 3. relay the events
     reply = Reply(server, body, prompts, chat)
     if body.stream:
-        return StreamingResponse(_stream(server, jobs, events, reply), media_type="text/event-stream",
+        return StreamingResponse(_stream(server, request, jobs, events, reply), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
         return await _collect(request, jobs, events, reply)
@@ -334,54 +334,71 @@ class Reply:
                 "created": self.created, "model": self.model, "system_fingerprint": None, "choices": choices}
 
 
-async def _collect(request: Request, jobs: list[Job], events: asyncio.Queue, reply: Reply) -> JSONResponse:
-    """Non-streamed: gather every job's deltas until its final event (or until the client leaves)."""
-    texts, finals = [""] * len(jobs), [None] * len(jobs)
+async def _events(request: Request, events: asyncio.Queue) -> AsyncIterator[tuple[int, Event]]:
+    """The jobs' events as they come; ends when the client has disconnected (checked every
+    DISCONNECT_POLL_SECONDS whether events flow or not), so a client that leaves before its first chunk, or
+    an ASGI server that drops writes to a closed connection, never keeps a sequence decoding."""
     next_check = loop_time() + DISCONNECT_POLL_SECONDS
-    while any(f is None for f in finals):
+    while True:
         try:
-            index, event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_SECONDS)
+            item = await asyncio.wait_for(events.get(), DISCONNECT_POLL_SECONDS)
         except asyncio.TimeoutError:
-            index, event = None, None
+            item = None
         if loop_time() >= next_check:
             next_check = loop_time() + DISCONNECT_POLL_SECONDS
             if await request.is_disconnected():
-                return JSONResponse(error_body("client disconnected"), status_code=499)
-        if event is None:
-            continue
-        if event.error is not None:
-            raise ApiError(500, event.error, code="decoding_failed")
-        texts[index] += event.delta
-        if event.final:
-            finals[index] = event
+                return
+        if item is not None:
+            yield item
+
+
+async def _collect(request: Request, jobs: list[Job], events: asyncio.Queue, reply: Reply) -> JSONResponse:
+    """Non-streamed: gather every job's deltas until its final event (or until the client leaves)."""
+    texts, finals = [""] * len(jobs), [None] * len(jobs)
+    async with contextlib.aclosing(_events(request, events)) as stream:
+        async for index, event in stream:
+            if event.error is not None:
+                raise ApiError(500, event.error, code="decoding_failed")
+            texts[index] += event.delta
+            if event.final:
+                finals[index] = event
+            if all(f is not None for f in finals):
+                break
+        else:
+            return JSONResponse(error_body("client disconnected"), status_code=499)
     choices = [reply.choice(i, texts[i], finals[i]) for i in range(len(jobs))]
     return JSONResponse(reply.whole(choices, sum(f.completion_tokens for f in finals)))
 
 
-async def _stream(server: Server, jobs: list[Job], events: asyncio.Queue, reply: Reply) -> AsyncIterator[str]:
+async def _stream(server: Server, request: Request, jobs: list[Job], events: asyncio.Queue,
+                  reply: Reply) -> AsyncIterator[str]:
     """Streamed: one SSE chunk per delta, a last chunk per choice with its finish_reason, then [DONE].
 
-    When the client disconnects, the server cancels this generator; `finally` frees the jobs' rows.
+    When the client disconnects, the server cancels this generator (ASGI spec < 2.4) or `_events` ends
+    (any server); `finally` frees the jobs' rows.
     """
     try:
         if reply.chat:
             for i in range(len(jobs)):
                 yield _sse(reply.chunk(i, None, role=True))
         done, completion_tokens = 0, 0
-        while done < len(jobs):
-            index, event = await events.get()
-            if event.error is not None:
-                yield _sse(error_body(event.error, type="server_error", code="decoding_failed"))
-                break
-            if event.delta:
-                yield _sse(reply.chunk(index, event.delta))
-            if event.final:
-                done += 1
-                completion_tokens += event.completion_tokens
-                yield _sse(reply.chunk(index, None, event))
-        else:
-            if reply.include_usage:
-                yield _sse(reply.usage_chunk(completion_tokens))
+        async with contextlib.aclosing(_events(request, events)) as stream:
+            async for index, event in stream:
+                if event.error is not None:
+                    yield _sse(error_body(event.error, type="server_error", code="decoding_failed"))
+                    break
+                if event.delta:
+                    yield _sse(reply.chunk(index, event.delta))
+                if event.final:
+                    done += 1
+                    completion_tokens += event.completion_tokens
+                    yield _sse(reply.chunk(index, None, event))
+                if done == len(jobs):
+                    if reply.include_usage:
+                        yield _sse(reply.usage_chunk(completion_tokens))
+                    break
+            else:
+                return  # the client has gone
         yield "data: [DONE]\n\n"
     finally:
         for job in jobs:
