@@ -98,10 +98,19 @@ def test_stop_string_cuts_stream_and_whole_alike(live):
     assert (text, finish) == (expected, ["stop"])
 
 
-def test_seeded_sampling_is_reproducible(live):
+@pytest.mark.parametrize("strategy", ["refusion", "autoregressive"])
+def test_seeded_sampling_is_reproducible_and_samples(live, strategy):
     client = live.client()
-    texts = {chat(client, "x", temperature=1.0, seed=7, max_tokens=12).choices[0].message.content for _ in range(2)}
-    assert len(texts) == 1
+    extra = {"refusion": {"strategy": strategy}}
+
+    def text(**kwargs):
+        return chat(client, "x", max_tokens=12, extra_body=extra, **kwargs).choices[0].message.content
+
+    greedy = text(temperature=0)
+    sampled = {seed: text(temperature=1.0, seed=seed) for seed in range(4)}
+    assert all(text(temperature=1.0, seed=seed) == sampled[seed] for seed in (0, 1))  # same seed, same text
+    # temperature is honoured: the seeds do not all give the same text, and not all the greedy one
+    assert len(set(sampled.values())) > 1 and any(t != greedy for t in sampled.values())
 
 
 def test_completions_with_several_prompts_and_stream(live):
@@ -144,15 +153,24 @@ def test_concurrent_requests_are_batched_and_equal_to_single(live):
 
 BAD = [  # (path, raw body, status, param)
     ("/v1/chat/completions", b"{not json", 400, None),
+    ("/v1/chat/completions", b"", 400, None),
+    ("/v1/chat/completions", b"\xff\xfe", 400, None),
     ("/v1/chat/completions", b"[1, 2]", 400, None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}]}', 400, "model"),
     ("/v1/chat/completions", b'{"model": "tiny"}', 400, "messages"),
     ("/v1/chat/completions", b'{"model": "tiny", "messages": []}', 400, "messages"),
     ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "bot", "content": "x"}]}', 400,
      "messages.0.role"),
     ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": -5}',
      400, "max_tokens"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}',
+     400, "max_tokens"),
     ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1e30}',
      400, "max_tokens"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], '
+                             b'"max_tokens": 100000000000000000000}', 400, "max_tokens"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], '
+                             b'"max_completion_tokens": -1}', 400, "max_completion_tokens"),
     ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}',
      400, "max_tokens"),
     ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}',
@@ -175,6 +193,9 @@ BAD = [  # (path, raw body, status, param)
     ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stop": ["", "a"]}',
      400, "stop"),
     ("/v1/chat/completions", b'{"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}', 404, "model"),
+    ("/v1/completions", b'{"model": "gpt-4", "prompt": "x"}', 404, "model"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": -1}', 400, "max_tokens"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": []}', 400, "prompt"),
     ("/v1/completions", b'{"model": "tiny", "prompt": ""}', 400, "prompt"),
     ("/v1/completions", b'{"model": "tiny", "prompt": [1, 2, 999]}', 400, "prompt"),
     ("/v1/completions", b'{"model": "tiny", "prompt": "x", "echo": true}', 400, "echo"),
@@ -184,10 +205,20 @@ BAD = [  # (path, raw body, status, param)
 
 @pytest.mark.parametrize("path,body,status,param", BAD, ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD)])
 def test_bad_input_is_a_4xx_with_an_openai_error_body(live, path, body, status, param):
+    before = live.scheduler.status()
     response = httpx.post(live.url + path, content=body, headers={"Content-Type": "application/json"}, timeout=10)
     assert response.status_code == status, response.text
     error = response.json()["error"]
-    assert error["message"] and error["type"] and error["param"] == param
+    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    assert error["param"] == param and error["message"]
+    if param is not None and status == 400:  # the message names the field (as the client sent it)
+        assert param.split(".")[-1] in error["message"] or param.split(".")[0] in error["message"], error
+    if status == 404 and param == "model":
+        assert error["code"] == "model_not_found" and "gpt-4" in error["message"]
+    if body[:1] != b"{" or body == b"{not json":
+        assert "JSON" in error["message"]
+    after = live.scheduler.status()  # nothing was queued or decoded for a bad request
+    assert (after["completed"], after["steps"]) == (before["completed"], before["steps"])
 
 
 def test_openai_client_raises_typed_errors_and_server_stays_healthy(live):
