@@ -6,11 +6,19 @@ with the allowed range, before any forward pass.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
+import types
+import typing
 from dataclasses import dataclass
 
 STRATEGIES = ("refusion", "speculative", "autoregressive")
 KV_CACHE_MODES = ("reuse", "recompute")
+MODEL_FIELDS = ("mask_token_id", "eos_token_id")
+"""DecodeConfig fields that describe the model rather than one request: the CLI and Python set them, the server
+takes them from the model it serves."""
 
 
 class ConfigError(ValueError):
@@ -29,7 +37,11 @@ def _require(ok: bool, field: str, value, allowed: str) -> None:
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Settings of one decoding run (ALGORITHM.md §2-3)."""
+    """Settings of one decoding run (docs/DECODING.md, "The algorithm"; the paper's §3).
+
+    Each field, with its type and the docstring under it, is also a `--flag` of generate / eval / bench / serve,
+    a field of the server's `"refusion"` request object, an lm-eval model argument and a `refusion bench` sweep
+    axis: adding a field here adds it to all of them (docs/DECODING.md, "Settings")."""
 
     max_new_tokens: int = 256
     """Most response tokens to return. The canvas is this rounded up to a whole number of slots."""
@@ -100,6 +112,11 @@ class DecodeConfig:
             _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be true or false")
         _require(self.kv_cache in KV_CACHE_MODES, "kv_cache", self.kv_cache,
                  f"must be one of {', '.join(KV_CACHE_MODES)}")
+        _require(self.mask_token_id is None or _is_id(self.mask_token_id),
+                 "mask_token_id", self.mask_token_id, "must be a token id (an integer >= 0) or None")
+        eos = self.eos_token_id
+        _require(eos is None or _is_id(eos) or (isinstance(eos, (list, tuple)) and all(map(_is_id, eos))),
+                 "eos_token_id", eos, "must be a token id, a list of token ids, or None")
 
     @property
     def canvas_length(self) -> int:
@@ -114,7 +131,17 @@ class DecodeConfig:
         return dataclasses.asdict(self)
 
 
-# Named decoding presets: the paper's per-task settings (ALGORITHM.md §5), the demo setting, and the embedded
+def _is_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def token_ids(value: int | list[int] | tuple[int, ...] | None) -> list[int]:
+    """One EOS id, several, or None (as in DecodeConfig.eos_token_id and transformers' generation config) as a
+    list of ids."""
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
+
+
+# Named decoding presets: the paper's per-task settings (docs/DECODING.md, "Presets"; the paper's §4.1), the demo setting, and the embedded
 # model's own (picked by a sweep on GSM8K, docs/BENCHMARKS.md; `refusion.default_decode_settings()`).
 PRESETS: dict[str, dict] = {
     "demo": dict(slot_size=4, slot_threshold=0.6, token_threshold=0.3, block_size=16),
@@ -134,3 +161,88 @@ def preset(name: str) -> dict:
     if name not in PRESETS:
         raise ValueError(f"preset={name!r} is unknown: choose one of {', '.join(sorted(PRESETS))}")
     return dict(PRESETS[name])
+
+
+def layered_settings(*layers: str | dict | None) -> dict:
+    """DecodeConfig keyword arguments from layers applied in order, each overriding the ones before: a preset
+    name, or a dict of fields in which None means "not set". None layers are skipped; an unknown field is a
+    ConfigError. The one place where presets, model defaults and flags are merged."""
+    names = {f.name for f in dataclasses.fields(DecodeConfig)}
+    settings: dict = {}
+    for layer in layers:
+        values = preset(layer) if isinstance(layer, str) else layer or {}
+        for name, value in values.items():
+            _require(name in names, name, value, f"unknown setting; the settings are {', '.join(names)}")
+            if value is not None:
+                settings[name] = value
+    return settings
+
+
+def layered_config(*layers: str | dict | None) -> DecodeConfig:
+    """The DecodeConfig of `layered_settings(*layers)`."""
+    return DecodeConfig(**layered_settings(*layers))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# fields as data: the command line, the server schema, the lm-eval arguments and the sweep axes read these
+
+@functools.cache
+def field_docs(cls) -> dict[str, str]:
+    """The docstring under each field of dataclass `cls`, by field name, on one line."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+@functools.cache
+def field_types(cls) -> dict[str, object]:
+    """The type of each field of dataclass `cls` (its annotation, evaluated)."""
+    return typing.get_type_hints(cls)
+
+
+def value_type(annotation) -> tuple[object, bool]:
+    """(the type a value is written in, whether None is allowed): `int | None` -> (int, True)."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(annotation))
+        if len(args) == 1:
+            return args[0], optional
+        return annotation if not optional else typing.Union[tuple(args)], optional  # noqa: UP007
+    return annotation, False
+
+
+def is_scalar(annotation) -> bool:
+    """Whether values of this type are one int, float, str or bool (optionally None)."""
+    return value_type(annotation)[0] in (int, float, str, bool)
+
+
+def parse_value(annotation, text: str):
+    """A value of type `annotation` from its text on a command line or in a sweep: numbers, strings,
+    true/false, "none" where None is allowed, comma-separated integers for `tuple[int, ...]` and `int | list[int]`.
+    A ValueError says "not a valid <type>"."""
+    kind, optional = value_type(annotation)
+    text = text.strip()
+    if optional and text.lower() == "none":
+        return None
+    if kind is bool:
+        if text.lower() in ("true", "1", "yes", "on"):
+            return True
+        if text.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ValueError(f"{text!r} is not a valid bool (true or false)")
+    if kind in (int, float, str):
+        try:
+            return kind(text)
+        except ValueError:
+            raise ValueError(f"{text!r} is not a valid {kind.__name__}") from None
+    try:
+        ids = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{text!r} is not a valid list of integers (e.g. 2,7)") from None
+    if typing.get_origin(kind) is tuple:
+        return tuple(ids)
+    return ids[0] if len(ids) == 1 else ids

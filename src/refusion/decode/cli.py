@@ -8,52 +8,7 @@ import json
 import os
 import sys
 
-from refusion.config import PRESETS, DecodeConfig
-
-# (flag, DecodeConfig field, type, help) built from the DecodeConfig fields users tune
-DECODE_FLAGS = [
-    ("--max-new-tokens", "max_new_tokens", int, "most response tokens"),
-    ("--slot-size", "slot_size", int, "k: tokens per slot"),
-    ("--block-size", "block_size", int, "b: block length, a multiple of the slot size"),
-    ("--slot-threshold", "slot_threshold", float, "tau_slot: planning threshold in [0, 1]"),
-    ("--token-threshold", "token_threshold", float, "tau_token: acceptance threshold in [0, 1]"),
-    ("--temperature", "temperature", float, "0 = greedy; > 0 samples the plan drafts"),
-    ("--seed", "seed", int, "seed for sampling"),
-    ("--strategy", "strategy", str, "refusion (plan and infill) or autoregressive"),
-    ("--kv-cache", "kv_cache", str, "reuse (default) or recompute"),
-]
-
-
-def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
-    """The decoding flags shared by generate, eval and serve (defaults come from DecodeConfig / preset)."""
-    defaults = DecodeConfig()
-    for flag, field, kind, text in DECODE_FLAGS:
-        parser.add_argument(flag, dest=field, type=kind, default=None,
-                            help=f"{text} (default {getattr(defaults, field)!r})")
-    parser.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                        help="named decoding settings (paper per-task settings); flags override it")
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="HF directory, .gguf file, hub id, or 'smollm2' (default: the embedded model)")
-    parser.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 where supported)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-
-
-def decode_config_from_args(args: argparse.Namespace) -> DecodeConfig:
-    """DecodeConfig from the embedded model's settings (when no --model is given), then the preset, then the
-    explicit flags."""
-    from refusion.config import preset
-    from refusion.model.embedded import default_decode_settings_or_none
-
-    kwargs = (default_decode_settings_or_none() or {}) if getattr(args, "model", None) is None else {}
-    if getattr(args, "preset", None):
-        kwargs.update(preset(args.preset))
-    for _, field, _, _ in DECODE_FLAGS:
-        if getattr(args, field, None) is not None:
-            kwargs[field] = getattr(args, field)
-    return DecodeConfig(**kwargs)
+from refusion.arguments import add_decode_arguments, add_model_arguments, decode_config_from_args
 
 
 def add_parser(subparsers) -> None:
@@ -87,24 +42,25 @@ def run(args: argparse.Namespace) -> int:
         return run_file(args)
     if not args.prompts:
         raise ValueError("no prompt: give PROMPT arguments, '-' for stdin, or --input FILE")
-    prompts = [sys.stdin.read() if p == "-" else p for p in args.prompts]
+    prompts = [read_stdin() if p == "-" else p for p in args.prompts]
     if any(not p.strip() for p in prompts):
         raise ValueError("empty prompt: give some text to respond to")
-    import refusion
+    from refusion.decode.loop import generate
+    from refusion.model.loading import encode_prompts, load
 
     cfg = decode_config_from_args(args)  # validated before the model loads
     if args.trace:
         from refusion.viz.schema import check_writable
         check_writable(args.trace)
-    model, tokenizer = refusion.load(args.model, dtype=args.dtype, device=args.device)
-    input_ids = refusion.encode_prompts(tokenizer, prompts, chat=not args.no_chat, system=args.system)
+    model, tokenizer = load(args.model, dtype=args.dtype, device=args.device)
+    input_ids = encode_prompts(tokenizer, prompts, chat=not args.no_chat, system=args.system)
     if args.show:
         from refusion.viz.terminal import LiveView
         with LiveView(tokenizer, prompts) as view:
-            out = refusion.generate(model, input_ids, cfg, trace=bool(args.trace), on_round=view)
+            out = generate(model, input_ids, cfg, trace=bool(args.trace), on_round=view)
             view.finish(out)
     else:
-        out = refusion.generate(model, input_ids, cfg, trace=bool(args.trace))
+        out = generate(model, input_ids, cfg, trace=bool(args.trace))
     if args.trace:
         from refusion.viz.schema import build_trace, save_trace
         doc = build_trace(out, tokenizer, prompts, input_ids, cfg, model=args.model or "(embedded)")
@@ -126,13 +82,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def read_stdin() -> str:
+    """The prompt on stdin, read as UTF-8 (another encoding is a one-line error, not a tokenizer traceback)."""
+    raw = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode("utf-8", "surrogateescape")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"stdin is not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start}): "
+                         "convert it first, e.g. with iconv") from None
+
+
 def read_prompt_file(path: str) -> list[str]:
     """Prompts of a JSONL file of {"prompt": ...} or {"query": ...} records (errors name the line), or of a
     built-in train split when `path` is its name and no such file exists."""
-    from refusion.train.data import BUILTIN_DATASETS, builtin_conversations
+    from refusion.data import BUILTIN_DATASETS, builtin_train_pairs
 
     if path in BUILTIN_DATASETS and not os.path.exists(path):
-        return [c.messages[-1]["content"] for c in builtin_conversations(path)]
+        return [query for _, query, _ in builtin_train_pairs(path)]
     prompts = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
@@ -150,8 +116,12 @@ def read_prompt_file(path: str) -> list[str]:
 
 
 def run_file(args: argparse.Namespace) -> int:
-    """Decode every prompt of --input in batches, appending one JSON line per prompt to --output."""
-    import refusion
+    """Decode every prompt of --input in batches, appending one JSON line per prompt to --output.
+
+    Record i is sampled with seed + i (at temperature > 0 with --seed), whatever the batch it falls in, so a
+    resumed run writes what an uninterrupted one would have."""
+    from refusion.decode.loop import generate
+    from refusion.model.loading import encode_prompts, load
 
     if not (args.input and args.output):
         raise ValueError("--input and --output go together")
@@ -170,15 +140,15 @@ def run_file(args: argparse.Namespace) -> int:
     if done >= len(prompts):
         print(f"{args.output} already holds {done} responses for {len(prompts)} prompts: nothing to do")
         return 0
-    model, tokenizer = refusion.load(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer = load(args.model, dtype=args.dtype, device=args.device)
     from tqdm import tqdm
 
     with open(args.output, "a", encoding="utf-8") as out_file, tqdm(total=len(prompts), initial=done,
                                                                     desc="generate") as bar:
         for start in range(done, len(prompts), args.batch_size):
             batch = prompts[start:start + args.batch_size]
-            ids = refusion.encode_prompts(tokenizer, batch, chat=not args.no_chat, system=args.system)
-            out = refusion.generate(model, ids, cfg)
+            ids = encode_prompts(tokenizer, batch, chat=not args.no_chat, system=args.system)
+            out = generate(model, ids, cfg if cfg.seed is None else cfg.replace(seed=cfg.seed + start))
             for prompt, tokens, stats in zip(batch, out.sequences, out.stats.per_sequence):
                 text = tokenizer.decode(tokens, skip_special_tokens=True)
                 out_file.write(json.dumps({"query": prompt, "response": text, "stats": stats.to_dict()}) + "\n")

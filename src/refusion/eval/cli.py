@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from refusion.decode.cli import DECODE_FLAGS
+from refusion.arguments import add_decode_arguments, add_model_arguments, decode_flag_values
 
-# fixed decoding overrides on top of each task's preset: the generate flags, less the ones eval sets itself
-OVERRIDE_FLAGS = [flag for flag in DECODE_FLAGS if flag[1] not in ("max_new_tokens", "strategy")]
+EVAL_SETS = ("max_new_tokens", "strategy")
+"""DecodeConfig fields with flags of their own in eval and bench; every other field is a fixed override on top
+of each task's preset."""
 
 
 def add_parser(subparsers) -> None:
@@ -46,7 +47,7 @@ def add_parser(subparsers) -> None:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    from refusion.decode.cli import add_model_arguments
+    from refusion.data import DATA_DIR_ENV
     from refusion.eval.runner import DEFAULT_MAX_NEW_TOKENS
 
     add_model_arguments(p)
@@ -57,9 +58,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                         "the embedded model's preset)")
     p.add_argument("--max-new-tokens", default=DEFAULT_MAX_NEW_TOKENS, type=int,
                    help=f"most response tokens (default {DEFAULT_MAX_NEW_TOKENS}, the paper's gen_length)")
-    for flag, field, kind, text in OVERRIDE_FLAGS:
-        p.add_argument(flag, dest=field, type=kind, default=None, help=f"{text} (default: from the preset)")
-    p.add_argument("--data-dir", default=None, help="data folder (default: ../shared/data or $REFUSION_DATA_DIR)")
+    add_decode_arguments(p, exclude=EVAL_SETS, preset=False, default_note="(default: from the preset)")
+    p.add_argument("--data-dir", default=None, help=f"data folder (default: ../shared/data or ${DATA_DIR_ENV})")
     p.add_argument("--no-chat", action="store_true", help="send prompts without the chat template")
     p.add_argument("--no-warmup", action="store_true", help="do not decode a warm-up prompt before timing")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -86,7 +86,7 @@ def settings_from_args(args: argparse.Namespace, tasks: list[str], strategies: l
     from refusion.eval.sandbox import SandboxLimits
     from refusion.eval.tasks import ScoreOptions
 
-    overrides = {field: getattr(args, field) for _, field, _, _ in OVERRIDE_FLAGS if getattr(args, field) is not None}
+    overrides = {k: v for k, v in decode_flag_values(args).items() if k not in EVAL_SETS}
     return EvalSettings(
         tasks=tasks, strategies=strategies, limit=positive_int("limit", args.limit),
         batch_size=positive_int("batch-size", args.batch_size), preset=_preset(args), overrides=overrides,
@@ -118,9 +118,9 @@ def _check(settings, configs: bool = True) -> None:
 
 
 def _load_model(args: argparse.Namespace, processes):
-    import refusion
+    from refusion.model.loading import load
     device = args.device if args.device is not None else processes.device
-    return refusion.load(args.model, dtype=args.dtype, device=device)
+    return load(args.model, dtype=args.dtype, device=device)
 
 
 def run_eval(args: argparse.Namespace) -> int:

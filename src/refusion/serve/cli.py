@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from refusion.decode.cli import add_decode_arguments, add_model_arguments, decode_config_from_args
+from refusion.arguments import add_decode_arguments, add_model_arguments, decode_config_from_args
 
 GRACEFUL_SHUTDOWN_SECONDS = 10
 """On shutdown, streams still open after this long are cut (their sequences are cancelled)."""
@@ -62,11 +62,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--port={args.port} is invalid: must be in [0, 65535]")
     import uvicorn
 
-    import refusion
+    from refusion.model.loading import load
     from refusion.serve.app import create_app
 
     cfg = decode_config_from_args(args)  # validated before the model loads
-    model, tokenizer = refusion.load(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer = load(args.model, dtype=args.dtype, device=args.device)
     set_cpu_threads(model, args.threads)
     app = create_app(model, tokenizer, config=cfg, model_name=args.served_model_name or served_name(args.model),
                      max_batch_size=args.max_batch_size, max_queue=args.max_queue)

@@ -8,11 +8,14 @@ as with the OpenAI API. ReFusion settings go in the extension object `"refusion"
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, create_model, model_validator
+
+from refusion.config import MODEL_FIELDS, DecodeConfig, field_docs, field_types
 
 MAX_TOKENS_LIMIT = 1 << 20
 """Upper bound of `max_tokens` checked before tokenization; the model's context is checked after."""
@@ -22,20 +25,36 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class RefusionOptions(_Strict):
-    """Per-request decoding settings (the extension object `"refusion"`); unset fields keep the server's."""
+OPENAI_NAMES = {"max_new_tokens": "max_tokens", "temperature": "temperature", "seed": "seed"}
+"""DecodeConfig fields that a request sets through the standard OpenAI field of this name."""
 
-    slot_size: int | None = Field(None, ge=1, description="k: tokens per slot")
-    block_size: int | None = Field(None, ge=1, description="b: block length, a multiple of slot_size")
-    slot_threshold: float | None = Field(None, ge=0, le=1, description="tau_slot: planning threshold")
-    token_threshold: float | None = Field(None, ge=0, le=1, description="tau_token: acceptance threshold")
-    strategy: Literal["refusion", "autoregressive"] | None = Field(None, description="decoding strategy")
-    kv_cache: Literal["reuse", "recompute"] | None = Field(None, description="KV reuse or the Table 8 ablation")
+
+class _RefusionOptionsBase(_Strict):
     ignore_eos: StrictBool = Field(False, description="decode exactly max_tokens tokens (benchmarks)")
 
     def overrides(self) -> dict:
         """DecodeConfig fields this request sets."""
         return {k: v for k, v in self.model_dump(exclude={"ignore_eos"}).items() if v is not None}
+
+
+def _decode_option_fields() -> dict:
+    """One optional field per DecodeConfig field (type and description from the dataclass), less the ones with a
+    standard OpenAI name and the model's token ids. DecodeConfig validates the values (400 naming the field)."""
+    docs, types = field_docs(DecodeConfig), field_types(DecodeConfig)
+    fields = {}
+    for f in dataclasses.fields(DecodeConfig):
+        if f.name in OPENAI_NAMES or f.name in MODEL_FIELDS:
+            continue
+        kind = StrictBool if types[f.name] is bool else types[f.name]
+        fields[f.name] = (kind | None, Field(None, description=docs.get(f.name)))
+    return fields
+
+
+RefusionOptions = create_model(
+    "RefusionOptions", __base__=_RefusionOptionsBase, __module__=__name__,
+    __doc__="Per-request decoding settings (the extension object `\"refusion\"`): every DecodeConfig field but "
+            "the standard OpenAI ones and the model's token ids; unset fields keep the server's.",
+    **_decode_option_fields())
 
 
 class StreamOptions(_Strict):

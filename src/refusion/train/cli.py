@@ -13,7 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-from refusion.train.config import TrainConfig, field_docs
+from refusion.arguments import add_dataclass_arguments
+from refusion.train.config import TrainConfig
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -23,7 +24,6 @@ _SPECIAL = {
     "slot_sizes": dict(type=lambda s: tuple(int(k) for k in s.split(",")), metavar="K,K,..."),
     "resume": dict(nargs="?", const="latest", metavar="CHECKPOINT"),
 }
-_TYPES = {"str": str, "int": int, "float": float, "str | None": str, "int | None": int, "float | None": float}
 _SHORT_HELP = {
     "data": "Data file (JSON / JSONL) or built-in name (gsm8k, mbpp, math); repeat for several.",
     "resume": "Continue from the newest checkpoint in --output (or from CHECKPOINT), with optimizer, "
@@ -43,24 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """--config plus one flag per TrainConfig field (help = the field's docstring)."""
     parser.add_argument("--config", metavar="RECIPE",
                         help=f"YAML recipe of TrainConfig fields, or a packaged recipe name ({', '.join(recipe_names())})")
-    docs = field_docs(TrainConfig)
-    for field in dataclasses.fields(TrainConfig):
-        flag = "--" + field.name.replace("_", "-")
-        help_text = _SHORT_HELP.get(field.name, docs.get(field.name, ""))
-        if field.default is not dataclasses.MISSING and field.default not in (None, (), ""):
-            help_text += f" [default: {_show(field.default)}]"
-        help_text = help_text.replace("%", "%%")
-        if field.name in _SPECIAL:
-            parser.add_argument(flag, dest=field.name, help=help_text, **_SPECIAL[field.name])
-        elif field.type == "bool":
-            parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, help=help_text)
-        else:
-            parser.add_argument(flag, dest=field.name, type=_TYPES[field.type], help=help_text,
-                                metavar=field.name.upper())
-
-
-def _show(value) -> str:
-    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+    add_dataclass_arguments(parser, TrainConfig, special=_SPECIAL, help_text=_SHORT_HELP)
 
 
 def recipe_names() -> list[str]:

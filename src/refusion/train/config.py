@@ -5,13 +5,13 @@ The CLI flags and the recipe YAML keys are these field names (``--grad-accum`` s
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import functools
-import inspect
 from dataclasses import dataclass
 
+from refusion.config import field_docs
 from refusion.model.adapter import is_adapter_dir
+
+__all__ = ["DEFAULT_SLOT_SIZES", "MIXED_PRECISION", "OBJECTIVES", "TrainConfig", "field_docs"]
 
 OBJECTIVES = ("hybrid", "ar")
 MIXED_PRECISION = ("auto", "bf16", "fp16", "no")
@@ -227,15 +227,3 @@ class TrainConfig:
                 value = (value,) if isinstance(value, (str, int)) else tuple(value)
             fixed[key] = value
         return cls(**fixed)
-
-
-@functools.cache
-def field_docs(cls=TrainConfig) -> dict[str, str]:
-    """The docstring under each dataclass field, by field name (the CLI help is built from these)."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:], strict=False):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = " ".join(str(nxt.value.value).split())
-    return docs

@@ -1,9 +1,10 @@
-"""Training data: records -> chat-templated (prompt, response + EOS) token ids (ALGORITHM.md §4 step 6).
+"""Training data: records -> chat-templated (prompt, response + EOS) token ids (docs/TRAINING.md, "Data").
 
 Accepted sources:
 - a JSON list or JSONL file of {"query": ..., "response": ...} records (the reference format) or
   {"messages": [{"role", "content"}, ...]} chat records whose last message is the assistant's response;
-- the built-in train splits "gsm8k", "mbpp" (task ids 601-974) and "math", read from the shared data folder.
+- the built-in train splits "gsm8k", "mbpp" (task ids 601-974) and "math" (`refusion.data`), read from the
+  shared data folder.
 
 The prompt goes through the tokenizer's chat template with the generation prompt; the response is
 followed by the turn-end token. Samples longer than the maximum length are skipped and counted.
@@ -12,17 +13,17 @@ followed by the turn-end token. Samples longer than the maximum length are skipp
 from __future__ import annotations
 
 import json
-import os
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-BUILTIN_DATASETS = ("gsm8k", "mbpp", "math")
-DATA_DIR_ENV = "REFUSION_DATA_DIR"
-MBPP_TRAIN_TASK_IDS = range(601, 975)
+from refusion.data import BUILTIN_DATASETS, builtin_train_file, builtin_train_pairs, default_data_dir
+
+__all__ = ["BUILTIN_DATASETS", "Conversation", "TokenizedData", "check_sources", "default_data_dir",
+           "load_conversations", "load_training_data", "response_eos_id", "tokenize_conversations"]
+
 _SENTINEL = "zq7x9"
 
 
@@ -56,29 +57,11 @@ class TokenizedData:
 
 # 1. where the data lives ------------------------------------------------------------------------------------
 
-def default_data_dir() -> Path:
-    """$REFUSION_DATA_DIR, else ../shared/data relative to the project root (the folder holding src/)."""
-    if os.environ.get(DATA_DIR_ENV):
-        return Path(os.environ[DATA_DIR_ENV])
-    return Path(__file__).resolve().parents[3].parent / "shared" / "data"
-
-
-def _builtin_file(name: str, data_dir: str | Path | None) -> Path:
-    root = Path(data_dir) if data_dir else default_data_dir()
-    path = root / {"gsm8k": "gsm8k/train.jsonl", "mbpp": "mbpp/mbpp.jsonl", "math": "math/train.jsonl"}[name]
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"built-in data set {name!r} needs {path}, which does not exist; pass --data-dir with the folder "
-            f"holding gsm8k/, mbpp/ and math/ (or set {DATA_DIR_ENV})"
-        )
-    return path
-
-
 def check_sources(sources: tuple[str, ...], data_dir: str | Path | None = None) -> None:
     """Fail fast (before any model is loaded) on a --data value that is neither a file nor a built-in set."""
     for source in sources:
         if source in BUILTIN_DATASETS and not Path(source).exists():
-            _builtin_file(source, data_dir)
+            builtin_train_file(source, data_dir)
         elif not Path(source).is_file():
             raise FileNotFoundError(f"data file {source} does not exist (built-in data sets: "
                                     f"{', '.join(BUILTIN_DATASETS)})")
@@ -134,27 +117,8 @@ def _chat_conversation(messages, origin: str) -> Conversation:
 
 def builtin_conversations(name: str, data_dir: str | Path | None = None) -> Iterator[Conversation]:
     """The train split of a built-in data set, formatted as user question -> worked answer."""
-    path = _builtin_file(name, data_dir)
-    for origin, row in read_json_records(path):
-        if name == "mbpp" and row["task_id"] not in MBPP_TRAIN_TASK_IDS:
-            continue
-        query, response = _format_builtin(name, row)
+    for origin, query, response in builtin_train_pairs(name, data_dir):
         yield Conversation(({"role": "user", "content": query},), response, origin)
-
-
-def _format_builtin(name: str, row: dict) -> tuple[str, str]:
-    """(prompt, response) in the prompt format `refusion eval` uses for the same task, so that a model
-    fine-tuned on a built-in split is evaluated on the format it learned."""
-    from refusion.eval.tasks import BOXED_INSTRUCTION, mbpp_prompt
-
-    if name == "gsm8k":
-        rationale, _, final = re.sub(r"<<[^>]*>>", "", row["answer"]).rpartition("####")  # drop calculator notes
-        return (f"{row['question']}\n{BOXED_INSTRUCTION}",
-                f"{rationale.rstrip()}\nThe final answer is $\\boxed{{{final.strip()}}}$.")
-    if name == "math":
-        return f"{row['problem']}\n{BOXED_INSTRUCTION}", row["solution"]
-    code = row["code"].replace("\r\n", "\n").strip()
-    return mbpp_prompt(row["text"], row["test_list"]), f"```python\n{code}\n```"
 
 
 def load_conversations(source: str, data_dir: str | Path | None = None,
@@ -205,7 +169,7 @@ def _chat_turn_end_id(tokenizer) -> int | None:
 
 def render_prompt(tokenizer, messages: tuple[dict, ...]) -> str:
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the tokenizer has no chat template; training prompts are rendered with it (§4 step 6)")
+        raise ValueError("the tokenizer has no chat template; training prompts are rendered with it")
     return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
 
 

@@ -1,0 +1,105 @@
+"""Command-line flags built from frozen config dataclasses, and the flags several commands share.
+
+A field ``grad_accum: int = 1`` with a docstring under it becomes ``--grad-accum GRAD_ACCUM``, its help the
+docstring; a ``bool`` field becomes ``--name / --no-name``; ``X | None`` takes an X; ``tuple[int, ...]`` and
+``int | list[int]`` take comma-separated integers. `refusion train` builds its flags from TrainConfig this way;
+generate, eval, bench and serve build their decoding flags from DecodeConfig (`add_decode_arguments`), so a
+new DecodeConfig field is a new flag of each of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from refusion.config import (
+    PRESETS,
+    DecodeConfig,
+    field_docs,
+    field_types,
+    layered_config,
+    parse_value,
+    value_type,
+)
+
+
+def add_dataclass_arguments(parser: argparse.ArgumentParser, cls, *, exclude=(), special: dict | None = None,
+                            help_text: dict | None = None, default_note: str | None = None, **common) -> None:
+    """One flag per field of dataclass `cls` (except `exclude`), dest = the field name.
+
+    special: extra `add_argument` keywords by field (replacing the ones derived from the type);
+    help_text: help by field, instead of the field's docstring;
+    default_note: appended to every help instead of the field's default ("[default: 8]");
+    common: keywords given to every `add_argument` (e.g. default=None).
+    """
+    docs, types = field_docs(cls), field_types(cls)
+    special, help_text = special or {}, help_text or {}
+    for field in dataclasses.fields(cls):
+        if field.name in exclude:
+            continue
+        text = help_text.get(field.name, docs.get(field.name, ""))
+        if default_note is not None:
+            text += f" {default_note}"
+        elif field.default is not dataclasses.MISSING and field.default not in (None, (), ""):
+            text += f" [default: {_show(field.default)}]"
+        keywords = dict(dest=field.name, help=text.replace("%", "%%"), **common)
+        if field.name in special:
+            keywords.update(special[field.name])
+        elif value_type(types[field.name])[0] is bool:
+            keywords.update(action=argparse.BooleanOptionalAction)
+        else:
+            keywords.update(type=argument_type(types[field.name]), metavar=field.name.upper())
+        parser.add_argument("--" + field.name.replace("_", "-"), **keywords)
+
+
+def argument_type(annotation):
+    """The argparse `type` of a field: int, float or str themselves (argparse names them in its errors),
+    else a parser of the field's text form."""
+    kind, _ = value_type(annotation)
+    if kind in (int, float, str):
+        return kind
+
+    def parse(text: str):
+        try:
+            return parse_value(annotation, text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    parse.__name__ = getattr(kind, "__name__", "value")
+    return parse
+
+
+def _show(value) -> str:
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the flags generate, eval, bench and serve share
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="HF directory, .gguf file, hub id, or 'smollm2' (default: the embedded model)")
+    parser.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 where supported)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+
+
+def add_decode_arguments(parser: argparse.ArgumentParser, *, exclude=(), preset: bool = True,
+                         default_note: str | None = None) -> None:
+    """One flag per DecodeConfig field (less `exclude`), default None = "not given", and --preset."""
+    add_dataclass_arguments(parser, DecodeConfig, exclude=exclude, default_note=default_note, default=None)
+    if preset:
+        parser.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                            help="named decoding settings (paper per-task settings); flags override it")
+
+
+def decode_flag_values(args: argparse.Namespace) -> dict:
+    """The DecodeConfig fields given as flags."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(DecodeConfig)
+            if getattr(args, f.name, None) is not None}
+
+
+def decode_config_from_args(args: argparse.Namespace) -> DecodeConfig:
+    """The embedded model's settings (when no --model is given), then --preset, then the explicit flags."""
+    from refusion.model.embedded import default_decode_settings_or_none
+
+    model_defaults = default_decode_settings_or_none() if getattr(args, "model", None) is None else None
+    return layered_config(model_defaults, getattr(args, "preset", None), decode_flag_values(args))

@@ -1,0 +1,109 @@
+"""The built-in data sets and their prompt formats, shared by `refusion train`, `refusion eval` and `refusion generate`.
+
+Data is read from a data folder (default: `../shared/data` next to the project, or $REFUSION_DATA_DIR), never
+copied. A built-in train split is formatted with the same prompt `refusion eval` sends for that task, so that a
+model fine-tuned on it (or on answers generated from it) is evaluated on the format it learned.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+DATA_DIR_ENV = "REFUSION_DATA_DIR"
+BUILTIN_DATASETS = ("gsm8k", "mbpp", "math")
+"""Names of the built-in train splits (`--data gsm8k`, `generate --input gsm8k`)."""
+BUILTIN_TRAIN_FILES = {"gsm8k": "gsm8k/train.jsonl", "mbpp": "mbpp/mbpp.jsonl", "math": "math/train.jsonl"}
+MBPP_TRAIN_TASK_IDS = range(601, 975)
+MBPP_TEST_IDS = range(11, 511)
+
+BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+CHOICE_INSTRUCTION = ("Answer the following multiple choice question. Think step by step, then finish with "
+                      "\"The answer is X\" where X is the letter of the correct option.")
+CODE_INSTRUCTION = "Write the complete function in a single ```python code block."
+LETTERS = "ABCDEFGHIJ"
+
+
+# 1. where the data lives ------------------------------------------------------------------------------------
+
+def default_data_dir() -> Path:
+    """$REFUSION_DATA_DIR, else the first of ../shared/data from the working directory and ../shared/data next to
+    the project root (the folder holding src/) that exists, else the latter."""
+    if os.environ.get(DATA_DIR_ENV):
+        return Path(os.environ[DATA_DIR_ENV])
+    beside_project = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+    candidates = [Path.cwd().parent / "shared" / "data", beside_project]
+    return next((c for c in candidates if c.is_dir()), beside_project)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSONL file (gzip-compressed when it ends in .gz)."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# 2. prompt formats ------------------------------------------------------------------------------------------
+
+def boxed_prompt(problem: str) -> str:
+    """A math problem (GSM8K, MATH) asking for a worked answer ending in \\boxed{}."""
+    return f"{problem}\n{BOXED_INSTRUCTION}"
+
+
+def choice_prompt(question: str, options: list[str]) -> str:
+    """A multiple-choice question (ARC, MMLU-Pro) with lettered options."""
+    lines = [CHOICE_INSTRUCTION, "", f"Question: {question.strip()}", ""]
+    lines += [f"{LETTERS[i]}. {option}" for i, option in enumerate(options)]
+    return "\n".join(lines)
+
+
+def code_prompt(stub: str) -> str:
+    """A function stub to complete (HumanEval)."""
+    return f"Complete the following Python function. {CODE_INSTRUCTION}\n\n```python\n{stub.rstrip()}\n```"
+
+
+def mbpp_prompt(text: str, tests: list[str]) -> str:
+    """An MBPP task: the description and its tests."""
+    return (f"You are an expert Python programmer, and here is your task: {text.strip()} "
+            f"Your code should pass these tests:\n\n" + "\n".join(tests) + f"\n\n{CODE_INSTRUCTION}")
+
+
+# 3. the built-in train splits -------------------------------------------------------------------------------
+
+def builtin_train_file(name: str, data_dir: str | Path | None = None) -> Path:
+    """The file of a built-in train split; FileNotFoundError says which folder to pass."""
+    root = Path(data_dir) if data_dir else default_data_dir()
+    path = root / BUILTIN_TRAIN_FILES[name]
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"built-in data set {name!r} needs {path}, which does not exist; pass --data-dir with the folder "
+            f"holding gsm8k/, mbpp/ and math/ (or set {DATA_DIR_ENV})"
+        )
+    return path
+
+
+def builtin_train_pairs(name: str, data_dir: str | Path | None = None) -> Iterator[tuple[str, str, str]]:
+    """(origin "file:line", prompt, worked answer) of each record of a built-in train split, in file order."""
+    path = builtin_train_file(name, data_dir)
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if name == "mbpp" and row["task_id"] not in MBPP_TRAIN_TASK_IDS:
+                continue
+            yield (f"{path}:{number}", *_format_train_row(name, row))
+
+
+def _format_train_row(name: str, row: dict) -> tuple[str, str]:
+    if name == "gsm8k":
+        rationale, _, final = re.sub(r"<<[^>]*>>", "", row["answer"]).rpartition("####")  # drop calculator notes
+        return boxed_prompt(row["question"]), f"{rationale.rstrip()}\nThe final answer is $\\boxed{{{final.strip()}}}$."
+    if name == "math":
+        return boxed_prompt(row["problem"]), row["solution"]
+    code = row["code"].replace("\r\n", "\n").strip()
+    return mbpp_prompt(row["text"], row["test_list"]), f"```python\n{code}\n```"
