@@ -68,9 +68,14 @@ def test_without_embedded_model_the_default_is_a_clear_error(monkeypatch):
 
 
 @pytest.mark.skipif(not embedded.embedded_available(), reason="this build ships no embedded model")
-def test_embedded_model_loads_offline_and_answers_with_its_preset():
+def test_embedded_adapter_fits_the_package_budget():
     shipped = sum(p.stat().st_size for p in embedded.ADAPTER_DIR.rglob("*") if p.is_file())
     assert shipped <= 30 * 2**20  # the package budget for shipped weights
+
+
+@pytest.mark.slow  # loads SmolLM2-135M and decodes 128 tokens
+@pytest.mark.skipif(not embedded.embedded_available(), reason="this build ships no embedded model")
+def test_embedded_model_loads_offline_and_answers_with_its_preset():
     model, tokenizer = refusion.load(device="cpu")
     assert model.config.mask_token_id == tokenizer.convert_tokens_to_ids("<|mask|>") == 49152
     settings = refusion.default_decode_settings()
