@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
+import queue
+import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -32,29 +34,37 @@ def test_serve_parser_and_bad_flags():
     assert cli.main(["--model", "/nonexistent/model"]) == 2
 
 
+def _listening_port(server: subprocess.Popen, timeout: float = 60.0) -> int:
+    """The port uvicorn reports it listens on (the command was started with --port 0)."""
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in server.stdout], daemon=True).start()
+    deadline, seen = time.monotonic() + timeout, []
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.2)
+        except queue.Empty:
+            assert server.poll() is None, "".join(seen)
+            continue
+        seen.append(line)
+        match = re.search(r"running on http://127\.0\.0\.1:(\d+)", line)
+        if match:
+            return int(match.group(1))
+    raise AssertionError(f"the server did not start in {timeout} s: {''.join(seen)}")
+
+
+@pytest.mark.slow  # a subprocess that imports torch and loads a model
 def test_serve_command_end_to_end(tmp_path, tiny):
     model, tokenizer = tiny
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "refusion.serve.cli", "--model", str(tmp_path), "--port", str(port),
-           "--dtype", "float32", "--max-new-tokens", "8", "--slot-size", "4", "--block-size", "8",
-           "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "refusion.serve.cli", "--model", str(tmp_path), "--host", "127.0.0.1",
+           "--port", "0", "--dtype", "float32", "--max-new-tokens", "8", "--slot-size", "4", "--block-size", "8",
+           "--log-level", "info"]  # port 0: the OS picks a free one, uvicorn logs it
     server = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert server.poll() is None, server.stdout.read()
-            assert time.monotonic() < deadline, "the server did not start in 60 s"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        url = f"http://127.0.0.1:{_listening_port(server)}"
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
         name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         assert name == tmp_path.name
         response = httpx.post(f"{url}/v1/completions", json={"model": name, "prompt": "hi"}, timeout=30).json()

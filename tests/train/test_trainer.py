@@ -122,10 +122,12 @@ def _run(argv, env_extra=None, timeout=300):
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # two processes, each loading torch and the model
 def test_two_process_cpu_run(tiny_dir, data_file, tmp_path):
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
     out, trace = tmp_path / "ddp", tmp_path / "trace"
-    proc = _run([torchrun, "--nproc_per_node", "2", "--master_port", "29533", "-m", "refusion.train.cli",
+    # --standalone: a rendezvous on localhost with a port the OS picks (no fixed port to collide on)
+    proc = _run([torchrun, "--standalone", "--nproc_per_node", "2", "-m", "refusion.train.cli",
                  "--model", str(tiny_dir), "--data", str(data_file), "--output", str(out), "--max-steps", "4",
                  "--batch-size", "4", "--num-workers", "0", "--save-every", "2", "--lr", "3e-3"],
                 env_extra={"REFUSION_TRAIN_TRACE": str(trace)})
