@@ -1,5 +1,6 @@
 """`refusion generate` end to end on a tiny saved model, and its one-line errors."""
 
+import io
 import json
 import subprocess
 import sys
@@ -98,3 +99,25 @@ def test_generate_from_a_builtin_split_uses_the_eval_prompt_format(model_dir, tm
     assert records[0]["query"].startswith("Natalia sold clips") and records[0]["query"].endswith(BOXED_INSTRUCTION)
     assert main([*argv, "--limit", "0"]) == 2
     assert "--limit=0" in capsys.readouterr().err
+
+
+def test_stdin_that_is_not_utf8_is_a_one_line_error(model_dir, capsys, monkeypatch):
+    stdin = io.TextIOWrapper(io.BytesIO(b"\xff\xfe bad"), encoding="utf-8", errors="surrogateescape")
+    monkeypatch.setattr(sys, "stdin", stdin)  # as a shell pipe arrives under a C / POSIX locale
+    assert main(["generate", "--model", model_dir, "-"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "stdin is not UTF-8" in err and "0xff" in err
+
+
+def test_generate_from_file_seeds_each_record_by_its_index(model_dir, tmp_path):
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("\n".join(json.dumps({"prompt": "same question"}) for _ in range(4)) + "\n")
+    responses = {}
+    for batch_size in (2, 4):
+        target = tmp_path / f"sampled-{batch_size}.jsonl"
+        assert main(["generate", "--model", model_dir, "--input", str(source), "--output", str(target),
+                     "--batch-size", str(batch_size), "--max-new-tokens", "8", "--strategy", "autoregressive",
+                     "--temperature", "1.0", "--seed", "3", "--dtype", "float32"]) == 0
+        responses[batch_size] = [json.loads(line)["response"] for line in target.read_text().splitlines()]
+    assert responses[2] == responses[4]  # record i is sampled with seed + i, whatever its batch
+    assert len(set(responses[4])) > 1  # and the records are not copies of each other
