@@ -35,12 +35,27 @@ def test_canvas_rounds_up_to_whole_slots():
 def test_round_trip_and_every_preset_is_valid():
     cfg = DecodeConfig(max_new_tokens=64, slot_size=4, block_size=16, eos_token_id=[2, 3])
     assert DecodeConfig(**cfg.to_dict()) == cfg
-    for name in PRESETS:
-        assert DecodeConfig(**refusion.preset(name)).slot_size == PRESETS[name]["slot_size"]
+    for name in PRESETS:  # each preset is a valid config that keeps every value it names
+        settings = refusion.preset(name)
+        assert dataclasses.asdict(DecodeConfig(**settings)).items() >= settings.items()
+    settings["slot_size"] = -1  # preset() hands out a copy
+    assert refusion.preset(name) != settings
     with pytest.raises(ValueError, match="unknown"):
         refusion.preset("nope")
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.slot_size = 2
+
+
+# ALGORITHM.md §5, copied by hand: (slot_threshold, token_threshold, slot_size, block_size)
+PAPER_SETTINGS = {"mmlu_pro": (0.9, 0.4, 16, 128), "arc_challenge": (0.8, 0.1, 8, 8), "gsm8k": (0.9, 0.4, 32, 128),
+                  "math": (0.8, 0.6, 32, 64), "gpqa": (0.8, 0.2, 8, 16), "humaneval": (0.9, 0.4, 32, 128),
+                  "mbpp": (0.9, 0.3, 32, 128), "demo": (0.6, 0.3, 4, 16)}
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_SETTINGS))
+def test_presets_are_the_papers_settings(name):
+    cfg = DecodeConfig(**refusion.preset(name))
+    assert (cfg.slot_threshold, cfg.token_threshold, cfg.slot_size, cfg.block_size) == PAPER_SETTINGS[name]
 
 
 class ForwardCounter(torch.nn.Module):
