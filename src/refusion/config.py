@@ -37,7 +37,7 @@ def _require(ok: bool, field: str, value, allowed: str) -> None:
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Settings of one decoding run (docs/DECODING.md, "The algorithm"; the paper's §3).
+    """Settings of one decoding run (docs/DECODING.md: each step of plan and infill, and "Settings").
 
     Each field, with its type and the docstring under it, is also a `--flag` of generate / eval / bench / serve,
     a field of the server's `"refusion"` request object, an lm-eval model argument and a `refusion bench` sweep
@@ -141,7 +141,7 @@ def token_ids(value: int | list[int] | tuple[int, ...] | None) -> list[int]:
     return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
-# Named decoding presets: the paper's per-task settings (docs/DECODING.md, "Presets"; the paper's §4.1), the demo setting, and the embedded
+# Named decoding presets: the paper's per-task settings (docs/DECODING.md, "Settings"), the demo setting, and the embedded
 # model's own (picked by a sweep on GSM8K, docs/BENCHMARKS.md; `refusion.default_decode_settings()`).
 PRESETS: dict[str, dict] = {
     "demo": dict(slot_size=4, slot_threshold=0.6, token_threshold=0.3, block_size=16),

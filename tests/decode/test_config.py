@@ -46,7 +46,7 @@ def test_round_trip_and_every_preset_is_valid():
         cfg.slot_size = 2
 
 
-# ALGORITHM.md §5, copied by hand: (slot_threshold, token_threshold, slot_size, block_size)
+# The paper's settings (docs/DECODING.md, "Settings"), copied by hand: (slot_threshold, token_threshold, slot_size, block_size)
 PAPER_SETTINGS = {"mmlu_pro": (0.9, 0.4, 16, 128), "arc_challenge": (0.8, 0.1, 8, 8), "gsm8k": (0.9, 0.4, 32, 128),
                   "math": (0.8, 0.6, 32, 64), "gpqa": (0.8, 0.2, 8, 16), "humaneval": (0.9, 0.4, 32, 128),
                   "mbpp": (0.9, 0.3, 32, 128), "demo": (0.6, 0.3, 4, 16)}

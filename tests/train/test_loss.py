@@ -1,4 +1,4 @@
-"""The hybrid loss (ALGORITHM.md §4 step 5): exact value on a hand-built example, edge cases, the module."""
+"""The hybrid loss (docs/TRAINING.md, step 5 of the objective): exact value on a hand-built example, edge cases, the module."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Batch construction (ALGORITHM.md §4 steps 1-4): properties over many random draws, and a hand-built case."""
+"""Batch construction (docs/TRAINING.md, steps 1-4 of the objective): properties over many random draws, and a hand-built case."""
 
 from __future__ import annotations
 

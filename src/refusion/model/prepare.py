@@ -1,4 +1,4 @@
-"""Turn a plain AR causal LM into a ReFusion model: add `<|mask|>` (ALGORITHM.md §1).
+"""Turn a plain AR causal LM into a ReFusion model: add `<|mask|>` (docs/TRAINING.md, "The objective, step by step").
 
 The only architectural requirement of ReFusion is a mask token. `add_mask_token` adds it to the
 tokenizer, gives it an embedding row equal to the mean of the existing rows, and records its id as
@@ -14,7 +14,7 @@ MASK_TOKEN = "<|mask|>"
 
 
 def add_mask_token(model, tokenizer, *, token: str = MASK_TOKEN) -> int:
-    """Give `model` and `tokenizer` a mask token; return its id (ALGORITHM.md §1).
+    """Give `model` and `tokenizer` a mask token; return its id (docs/TRAINING.md, "The objective, step by step").
 
     1. `config.mask_token_id` already set: check the tokenizer agrees, change nothing.
     2. Otherwise add `token` to the tokenizer as a special token (if absent), grow the embeddings when the

@@ -1,4 +1,4 @@
-"""Training: the hybrid AR + masked-diffusion objective (ALGORITHM.md §4) and the trainer.
+"""Training: the hybrid AR + masked-diffusion objective (docs/TRAINING.md) and the trainer.
 
 Heavy modules (transformers, accelerate, peft) are imported on first use.
 """

@@ -1,4 +1,4 @@
-"""TrainConfig: every setting of a `refusion train` run (ALGORITHM.md §4), validated up front.
+"""TrainConfig: every setting of a `refusion train` run (docs/TRAINING.md), validated up front.
 
 The CLI flags and the recipe YAML keys are these field names (``--grad-accum`` sets ``grad_accum``).
 """
@@ -29,7 +29,7 @@ def _is_int(value) -> bool:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Settings of one training run. Defaults follow the spec (ALGORITHM.md §4) and its reference run."""
+    """Settings of one training run. Defaults follow the paper's objective and its reference run (docs/TRAINING.md)."""
 
     # --- what to train on, where to write ---
     model: str = ""
@@ -76,7 +76,7 @@ class TrainConfig:
     max_length: int = 2048
     """Longest prompt + response (+ EOS slots) in tokens; longer samples are skipped and counted, never cut."""
 
-    # --- the objective (ALGORITHM.md §4) ---
+    # --- the objective (docs/TRAINING.md) ---
     objective: str = "hybrid"
     """"hybrid": AR loss on permuted clean slots + MDM loss on masked slots (ReFusion);
     "ar": plain next-token fine-tuning on the same data (the baseline)."""

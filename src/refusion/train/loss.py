@@ -1,4 +1,4 @@
-"""The hybrid loss (ALGORITHM.md §4 step 5) and the module that computes it from a batch.
+"""The hybrid loss (docs/TRAINING.md, step 5 of the objective) and the module that computes it from a batch.
 
     L_AR  = mean cross-entropy over every clean-slot target of the micro-batch
     L_MDM = sum over masked tokens of CE / (p_mask of its sample * response length of its sample),

@@ -1,4 +1,4 @@
-"""Batch construction of the hybrid objective: slots, masking, permutation, labels (ALGORITHM.md §4 steps 1-4).
+"""Batch construction of the hybrid objective: slots, masking, permutation, labels (docs/TRAINING.md, steps 1-4 of the objective).
 
 Pure functions of token ids and an explicit `torch.Generator`: the same generator state gives the same
 sample. `build_hybrid_sample` draws the random choices (slot size k, mask probability, which slots are
@@ -108,7 +108,7 @@ def arrange_slots(prompt_ids: torch.Tensor, response_ids: torch.Tensor, *, slot_
 def build_hybrid_sample(prompt_ids: torch.Tensor, response_ids: torch.Tensor, *, slot_sizes: Sequence[int],
                         mask_token_id: int, generator: torch.Generator, eos_slots: int = 0,
                         eos_token_id: int | None = None) -> NoisedSample:
-    """ALGORITHM.md §4 steps 1-4 for one (prompt, response + EOS) pair."""
+    """docs/TRAINING.md, steps 1-4 of the objective for one (prompt, response + EOS) pair."""
     k = draw_slot_size(slot_sizes, generator)
     p_mask = draw_mask_probability(generator)
     n_slots = -(-response_ids.numel() // k)

@@ -42,7 +42,7 @@ class SlotRecord:
 
 @dataclass
 class RoundRecord:
-    """One round of decoding (ALGORITHM.md §3); for the AR strategy, one token."""
+    """One round of decoding (docs/DECODING.md); for the AR strategy, one token."""
 
     index: int
     """Round number, from 0."""
