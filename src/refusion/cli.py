@@ -30,10 +30,6 @@ OPTIONAL_MODULES = {
 }
 
 
-class UserError(Exception):
-    """A problem with the user's input, printed as one line (exit code 2)."""
-
-
 def missing_extra(error: ModuleNotFoundError) -> str | None:
     """The one-line advice for a missing optional dependency, or None when it is not one of ours."""
     module = (error.name or "").split(".")[0]
@@ -74,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
     try:
         return args.func(args) or 0
-    except (ValueError, FileNotFoundError, UserError) as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"refusion {args.command}: error: {e}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as e:

@@ -110,14 +110,6 @@ def frames(seq: SequenceTrace, settings: dict) -> list[Frame]:
     return [replay.step(rnd) for rnd in seq.rounds]
 
 
-def final_texts(seq: SequenceTrace, settings: dict) -> list[str]:
-    """Text each layout position ends with ("" where nothing was committed): renderers size cells by it."""
-    all_frames = frames(seq, settings)
-    if not all_frames:
-        return []
-    return [c.text for c in all_frames[-1].cells]
-
-
 def display_text(text: str, newline: str = "↵") -> str:
     """A token's text made visible on one line (newline -> ↵, tab -> ⇥, empty -> ∅)."""
     if text == "":
