@@ -19,7 +19,6 @@ from refusion.config import (
     layered_config,
     layered_settings,
     parse_value,
-    token_ids,
 )
 
 FIELDS = [f.name for f in dataclasses.fields(DecodeConfig)]
@@ -101,12 +100,11 @@ def test_layers_apply_in_order_and_none_means_not_set():
         layered_settings("no-such-preset")
 
 
-def test_values_from_text_and_token_id_lists():
+def test_values_from_text_and_token_id_validation():
     types = field_types(DecodeConfig)
     assert parse_value(types["seed"], "none") is None and parse_value(types["seed"], "7") == 7
     assert parse_value(types["eos_token_id"], "5") == 5 and parse_value(types["eos_token_id"], "5,6") == [5, 6]
     with pytest.raises(ValueError, match="not a valid bool"):
         parse_value(types["predraft"], "maybe")
-    assert token_ids(None) == [] and token_ids(3) == [3] and token_ids([3, 4]) == [3, 4]
     with pytest.raises(ConfigError, match="eos_token_id"):
         DecodeConfig(eos_token_id="</s>")

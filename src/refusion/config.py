@@ -135,12 +135,6 @@ def _is_id(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def token_ids(value: int | list[int] | tuple[int, ...] | None) -> list[int]:
-    """One EOS id, several, or None (as in DecodeConfig.eos_token_id and transformers' generation config) as a
-    list of ids."""
-    return [] if value is None else [value] if isinstance(value, int) else list(value)
-
-
 # Named decoding presets: the paper's per-task settings (docs/DECODING.md, "Settings"), the demo setting, and the embedded
 # model's own (picked by a sweep on GSM8K, docs/BENCHMARKS.md; `refusion.default_decode_settings()`).
 PRESETS: dict[str, dict] = {
