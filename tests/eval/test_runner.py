@@ -108,3 +108,18 @@ def test_shard_is_a_partition():
 def test_invalid_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         EvalSettings(**kwargs)
+
+
+def test_every_strategy_is_compared_to_the_autoregressive_baseline(data_dir, byte_tokenizer):
+    def generate(model, prompt_ids, cfg):  # speculative twice as fast as AR, refusion four times
+        per_token = {"autoregressive": 0.04, "speculative": 0.02, "refusion": 0.01}[cfg.strategy]
+        return scripted_generate({}, seconds_per_token=per_token)(model, prompt_ids, cfg)
+
+    settings = EvalSettings(["gsm8k"], strategies=["refusion", "speculative", "autoregressive"], limit=2,
+                            progress=False, warmup=False, data_dir=str(data_dir))
+    doc = evaluate(None, byte_tokenizer, settings, generate_fn=generate)
+    compared = doc["speedup"]["gsm8k"]["by_strategy"]
+    assert set(compared) == {"refusion", "speculative"}
+    assert compared["speculative"]["tokens_per_second"] == pytest.approx(2.0)
+    assert doc["speedup"]["gsm8k"]["tokens_per_second"] == pytest.approx(4.0)  # refusion's, as before
+    assert "2.00x" in format_table(doc) and "4.00x" in format_table(doc)
