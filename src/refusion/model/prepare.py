@@ -2,29 +2,35 @@
 
 The only architectural requirement of ReFusion is a mask token. `add_mask_token` adds it to the
 tokenizer, gives it an embedding row equal to the mean of the existing rows, and records its id as
-`config.mask_token_id`, which is what the decoder and the trainer read. A model that already has one
-(the released checkpoint, or a model prepared before) is left exactly as it is.
+`config.mask_token_id`, the form in which a saved ReFusion checkpoint carries it (`special_tokens.py` reads it
+from there at load). A model that already has one (the released checkpoint, or a model prepared before) keeps
+its weights exactly as they are.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-MASK_TOKEN = "<|mask|>"
+from refusion.model.special_tokens import MASK_TOKEN, attach_special_tokens, special_tokens_of
 
 
 def add_mask_token(model, tokenizer, *, token: str = MASK_TOKEN) -> int:
     """Give `model` and `tokenizer` a mask token; return its id (docs/TRAINING.md, "The objective, step by step").
 
-    1. `config.mask_token_id` already set: check the tokenizer agrees, change nothing.
+    1. The model already has a mask token (`special_tokens_of(model)`: resolved at load from its config or its
+       tokenizer): check the tokenizer agrees, record it in `model.config.mask_token_id`, change no weight.
     2. Otherwise add `token` to the tokenizer as a special token (if absent), grow the embeddings when the
        id falls outside them, set the token's input (and untied output) row to the mean row, and store
-       the id in `model.config.mask_token_id`.
+       the id in `model.config.mask_token_id` (and in the special tokens the model carries).
     """
     vocab = tokenizer.get_vocab()
-    existing = getattr(model.config, "mask_token_id", None)
+    tokens = special_tokens_of(model)
+    existing = tokens.mask_token_id
     if existing is not None:
         _check_tokenizer_agrees(vocab, token, existing)
+        model.config.mask_token_id = int(existing)
         return int(existing)
     if token not in vocab:
         tokenizer.add_special_tokens({"additional_special_tokens": [token]}, replace_extra_special_tokens=False)
@@ -34,6 +40,7 @@ def add_mask_token(model, tokenizer, *, token: str = MASK_TOKEN) -> int:
         model.resize_token_embeddings(mask_id + 1, mean_resizing=False)
     _set_rows_to_mean(model, mask_id, n_reference_rows=min(old_rows, mask_id))
     model.config.mask_token_id = mask_id
+    attach_special_tokens(model, replace(tokens, mask_token_id=mask_id))
     return mask_id
 
 

@@ -101,8 +101,8 @@ def create_app(model, tokenizer, *, config: DecodeConfig | None = None, model_na
 
 def _check_model_fits(model, config: DecodeConfig) -> None:
     """Fail at startup, not on the first request, when the default strategy cannot run on this model."""
-    from refusion.decode.loop import resolve_special_tokens
-    resolve_special_tokens(model, config)
+    from refusion.model.special_tokens import special_tokens_of
+    special_tokens_of(model).for_decoding(config)
 
 
 # ------------------------------------------------------------------------------------------ routes
@@ -218,13 +218,15 @@ async def _generate(server: Server, request: Request, body, prompts: list[list[i
 
 
 def _build_jobs(server: Server, body, prompts: list[list[int]], emits) -> list[Job]:
-    from refusion.decode.loop import resolve_special_tokens, sequence_generator, validate_prompts
+    from refusion.decode.loop import sequence_generator, validate_prompts
+    from refusion.model.special_tokens import special_tokens_of
 
     jobs = []
     for index, (prompt, emit) in enumerate(zip(prompts, emits, strict=True)):
         cfg = _request_config(server, body, len(prompt))
         try:
-            mask_id, eos_ids = resolve_special_tokens(server.model, cfg)
+            tokens = special_tokens_of(server.model).for_decoding(cfg)
+            mask_id, eos_ids = tokens.mask_token_id, list(tokens.eos_token_ids)
             validate_prompts(server.model, [prompt], cfg, mask_id)
         except ValueError as e:
             prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"

@@ -375,8 +375,9 @@ def _ranks_in_sync(accelerator, parameters) -> bool:
 
 def _add_generation_eos(model, eos_id: int) -> None:
     """Make the response EOS (e.g. <|im_end|>) stop generation of the saved model."""
-    current = model.generation_config.eos_token_id
-    ids = [] if current is None else ([current] if isinstance(current, int) else list(current))
+    from refusion.model.special_tokens import special_tokens_of
+
+    ids = list(special_tokens_of(model).eos_token_ids)
     if eos_id not in ids:
         model.generation_config.eos_token_id = [eos_id, *ids]
 
