@@ -18,11 +18,17 @@ WRONG = 20  # a draft the AR verifier rejects
 
 
 def decode(masks, nexts, **settings):
+    """Decode unfused (the hand-derived forward counts below are the paper's algorithm), check it against
+    the reference, and check that fused planning gives the same tokens with one forward fewer per fused plan."""
     model = ScriptedLM(masks, nexts)
-    cfg = refusion.DecodeConfig(**settings)
+    cfg = refusion.DecodeConfig(**{"fused_plan": False, **settings})
     out = refusion.generate(model, [PROMPT], cfg, trace=True)
     reference = reference_generate(ScriptedLM(masks, nexts), PROMPT, cfg, MASK, [EOS])
     assert out.sequences[0] == reference
+    fused = refusion.generate(ScriptedLM(masks, nexts), [PROMPT], cfg.replace(fused_plan=True), trace=True)
+    assert fused.sequences == out.sequences
+    saved = sum(r.fused_plan for r in fused.traces[0])
+    assert fused.stats.per_sequence[0].forwards == out.stats.per_sequence[0].forwards - saved
     return out, model
 
 

@@ -12,7 +12,9 @@ Both are served by one preallocated buffer per layer, ``[batch, kv_heads, capaci
 metadata tensors per column: ``owner`` (EMPTY, CONTEXT, or the group id of a pending entry) and ``pos``
 (the entry's position id). A query of group g sees every CONTEXT entry, the pending entries of group g
 written before it, and itself. Rows of parallel completion are groups; plan and verification forwards
-use group 0. Pending entries are then committed (become CONTEXT), retained, or dropped by position id, so
+use group 0. A query may also read the pending entries of every *lower* group up to a position id of its
+own (``lower_upto``): this is how a forward carries branches that build on other groups' tokens (the fused
+plan's masks read every completed row; speculative pre-drafts read a prefix of the draft chain). Pending entries are then committed (become CONTEXT), retained, or dropped by position id, so
 the decoding programs never see column indices and the buffer can be compacted at any time.
 
 Invariant, checked on every commit: a sequence's CONTEXT entries are exactly its committed tokens.
@@ -100,11 +102,13 @@ class SlotCache:
             self.used = 0
 
     # ----------------------------------------------------------------------------- forward
-    def begin_forward(self, groups: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def begin_forward(self, groups: torch.Tensor, positions: torch.Tensor,
+                      lower_upto: torch.Tensor | None = None) -> torch.Tensor | None:
         """Reserve columns for a forward of new tokens and return its 4D attention mask.
 
-        groups, positions: [B, T] (group PADDING for padding tokens). Returns [B, 1, T, used + T], or None
-        when every query may see every key.
+        groups, positions: [B, T] (group PADDING for padding tokens); lower_upto: [B, T] or None, the
+        position up to which a query also reads the pending entries of lower groups (-1: none). Returns
+        [B, 1, T, used + T], or None when every query may see every key.
         """
         width = groups.shape[1]
         self._make_room(width)
@@ -112,7 +116,7 @@ class SlotCache:
         self.owner[:, cols] = groups
         self.pos[:, cols] = positions
         self._pending_width = width
-        return self._attention_mask(groups)
+        return self._attention_mask(groups, lower_upto)
 
     def end_forward(self) -> None:
         """Account for the columns just written; padding columns become free."""
@@ -121,7 +125,7 @@ class SlotCache:
         self.used += self._pending_width
         self._pending_width = 0
 
-    def _attention_mask(self, groups: torch.Tensor) -> torch.Tensor | None:
+    def _attention_mask(self, groups: torch.Tensor, lower_upto: torch.Tensor | None) -> torch.Tensor | None:
         width = groups.shape[1]
         total = self.used + width
         if width == 1 and bool((self.owner[:, :self.used] == CONTEXT).all()):
@@ -129,8 +133,12 @@ class SlotCache:
         owner = self.owner[:, None, :total]  # [B, 1, L]
         key_col = torch.arange(total, device=self.device)  # [L]
         query_col = self.used + torch.arange(width, device=self.device)  # [T]
-        same_group = (owner == groups[:, :, None]) & (key_col[None, None, :] <= query_col[None, :, None])
-        visible = (owner == CONTEXT) | same_group  # [B, T, L]
+        earlier = key_col[None, None, :] <= query_col[None, :, None]  # [1, T, L]
+        query_group = groups[:, :, None]  # [B, T, 1]
+        visible = (owner == CONTEXT) | ((owner == query_group) & earlier)  # [B, T, L]
+        if lower_upto is not None:
+            lower = (owner >= 0) & (owner < query_group) & (self.pos[:, None, :total] <= lower_upto[:, :, None])
+            visible |= lower & earlier
         visible = visible[:, None]  # [B, 1, T, L]
         if self.mask_dtype is None:
             return visible
@@ -191,10 +199,13 @@ class SlotCache:
         row = self.row_of[seq_id]
         return row, self.owner[row, :self.used] >= 0
 
-    def commit(self, seq_id: int, positions: torch.Tensor) -> None:
-        """Pending entries at `positions` join the context; every other pending entry is dropped."""
+    def commit(self, seq_id: int, positions: torch.Tensor, group: int | None = None) -> None:
+        """Pending entries at `positions` (of `group`, when several groups hold a position) join the context;
+        every other pending entry is dropped."""
         row, pending = self._pending(seq_id)
         chosen = pending & torch.isin(self.pos[row, :self.used], positions)
+        if group is not None:
+            chosen &= self.owner[row, :self.used] == group
         found = int(chosen.sum())
         if found != positions.numel():
             raise RuntimeError(f"KV cache invariant broken: committing {positions.numel()} tokens, found {found}")
@@ -220,6 +231,3 @@ class SlotCache:
         n = int((self.owner[row, :self.used] == CONTEXT).sum())
         if n != self.committed[seq_id]:
             raise RuntimeError(f"KV cache invariant broken: {n} context entries for {self.committed[seq_id]} tokens")
-
-    def context_length(self, seq_id: int) -> int:
-        return self.committed[seq_id]

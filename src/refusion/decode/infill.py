@@ -1,4 +1,4 @@
-"""Infill step (ALGORITHM.md §3.2-3.4): verify drafts autoregressively, fast accept, parallel completion.
+"""Infill step (docs/DECODING.md, paper §3.2-3.4): verify drafts autoregressively, fast accept, parallel completion.
 
 Pure functions on small tensors; the decoding program (`program.py`) strings them together.
 """

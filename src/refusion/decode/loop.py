@@ -41,9 +41,15 @@ class Decoder:
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     def add(self, prompt: list[int], cfg: DecodeConfig, *, mask_token_id: int | None, eos_token_ids: list[int],
-            generator: torch.Generator | None = None, trace: bool = False,
+            generator: torch.Generator | None = None, index: int = 0, trace: bool = False,
             on_round: Callable[[Sequence, RoundTrace], None] | None = None) -> Sequence:
-        """Start decoding a prompt; it joins the batch at the next step."""
+        """Start decoding a prompt; it joins the batch at the next step.
+
+        The prompt is validated here (a bad one raises before any forward). At temperature > 0 without a
+        generator, the sequence gets its own: seeded with cfg.seed + index, or at random when cfg.seed is None.
+        """
+        validate_prompts(self.model, [prompt], cfg, mask_token_id, first_index=index)
+        generator = sequence_generator(cfg, index, generator, self.device)
         seq = Sequence(self._next_id, prompt, cfg, mask_token_id=mask_token_id, eos_token_ids=eos_token_ids,
                        cache=self.cache, device=self.device, generator=generator, trace=trace, on_round=on_round)
         self._next_id += 1
@@ -74,6 +80,7 @@ class Decoder:
             del self.live[seq.id]
             seq.finished = True
             seq.stats.seconds = time.perf_counter() - seq.started
+        self.stats.tokens += sum(seq.stats.tokens for seq in finished)
         self.cache.remove_sequences([s.id for s in finished])
         return finished
 
@@ -88,11 +95,15 @@ class Decoder:
         input_ids = torch.zeros(batch, width, dtype=torch.long, device=self.device)
         positions = torch.zeros(batch, width, dtype=torch.long, device=self.device)
         groups = torch.full((batch, width), PADDING, dtype=torch.long, device=self.device)
+        branched = any(r.lower_upto is not None for r in requests)
+        lower_upto = torch.full((batch, width), -1, dtype=torch.long, device=self.device) if branched else None
         for b, r in enumerate(requests):
             n = r.tokens.numel()
             input_ids[b, width - n:], positions[b, width - n:], groups[b, width - n:] = r.tokens, r.positions, r.groups
+            if r.lower_upto is not None:
+                lower_upto[b, width - n:] = r.lower_upto
         keep = max(r.tokens.numel() - r.logits_from for r in requests)  # logits needed, counted from the end
-        mask = self.cache.begin_forward(groups, positions)
+        mask = self.cache.begin_forward(groups, positions, lower_upto)
         kwargs = {"logits_to_keep": keep} if self._logits_to_keep else {}
         start = time.perf_counter()
         out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask,
@@ -107,14 +118,27 @@ class Decoder:
 
 
 # --------------------------------------------------------------------------------- generate
-def normalize_prompts(input_ids) -> list[list[int]]:
-    """A (B, P) tensor, a list of id lists (ragged batch) or one list of ids -> list of id lists."""
+def normalize_prompts(input_ids, attention_mask=None) -> list[list[int]]:
+    """A (B, P) tensor, a list of id lists (ragged batch) or one list of ids -> list of id lists.
+
+    A padded (B, P) tensor needs its `attention_mask` (1 = token, 0 = padding, as a tokenizer returns it):
+    padding is stripped, on either side. Without one, every id is taken as prompt text."""
     if isinstance(input_ids, torch.Tensor):
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be a (batch, length) tensor, got shape {tuple(input_ids.shape)}")
-        return input_ids.tolist()
+        if attention_mask is None:
+            return input_ids.tolist()
+        attention_mask = torch.as_tensor(attention_mask)
+        if attention_mask.dim() == 1:
+            attention_mask = attention_mask[None]
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids "
+                             f"{tuple(input_ids.shape)}: they must match")
+        return [row[keep.bool()].tolist() for row, keep in zip(input_ids, attention_mask)]
+    if attention_mask is not None:
+        raise ValueError("attention_mask is only for a padded (batch, length) tensor; a list of id lists needs none")
     if not isinstance(input_ids, SequenceABC) or isinstance(input_ids, (str, bytes)):
         raise ValueError("input_ids must be a list of token-id lists or a (batch, length) LongTensor; "
                          "tokenize text first (refusion.encode_prompts)")
@@ -126,15 +150,17 @@ def normalize_prompts(input_ids) -> list[list[int]]:
     return prompts
 
 
-def validate_prompts(model, prompts: list[list[int]], cfg: DecodeConfig, mask_id: int | None) -> None:
-    """Bad input fails here, with the field named, before any forward pass."""
+def validate_prompts(model, prompts: list[list[int]], cfg: DecodeConfig, mask_id: int | None,
+                     first_index: int = 0) -> None:
+    """Bad input fails here, with the field named, before any forward pass (prompts are numbered from
+    `first_index`)."""
     text_config = model.config.get_text_config()
     vocab = model.get_input_embeddings().num_embeddings
     max_positions = getattr(text_config, "max_position_embeddings", None)
     new_tokens = cfg.canvas_length if cfg.strategy == "refusion" else cfg.max_new_tokens
     if mask_id is not None and not 0 <= mask_id < vocab:
         raise ValueError(f"mask_token_id={mask_id} is outside the model's vocabulary of {vocab}")
-    for i, prompt in enumerate(prompts):
+    for i, prompt in enumerate(prompts, first_index):
         if len(prompt) == 0:
             raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
         if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
@@ -144,18 +170,20 @@ def validate_prompts(model, prompts: list[list[int]], cfg: DecodeConfig, mask_id
                              f"(canvas {new_tokens}) exceeds the model's context of {max_positions} positions")
 
 
-def sequence_generator(cfg: DecodeConfig, index: int, generator: torch.Generator | None):
-    """The random generator of sequence `index`: none at temperature 0; seed + index when seeded."""
+def sequence_generator(cfg: DecodeConfig, index: int, generator: torch.Generator | None,
+                       device: torch.device | str = "cpu") -> torch.Generator | None:
+    """The random generator of sequence `index`: none at temperature 0; the one given; else a generator on
+    `device` (where the logits are, so noise is drawn there) seeded with seed + index, or at random."""
     if cfg.temperature == 0:
         return None
     if generator is not None:
         return generator
     seed = cfg.seed + index if cfg.seed is not None else int(torch.randint(0, 2**62, (1,)))
-    return torch.Generator().manual_seed(seed)
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 @torch.inference_mode()
-def generate(model, input_ids, cfg: DecodeConfig | None = None, *, trace: bool = False,
+def generate(model, input_ids, cfg: DecodeConfig | None = None, *, attention_mask=None, trace: bool = False,
              generator: torch.Generator | None = None, special_tokens: SpecialTokens | None = None,
              on_round: Callable[[Sequence, RoundTrace], None] | None = None, **overrides) -> GenerationOutput:
     """Decode a batch of prompts with ReFusion plan-and-infill (or the AR baseline).
@@ -163,6 +191,7 @@ def generate(model, input_ids, cfg: DecodeConfig | None = None, *, trace: bool =
     Args:
         model: a transformers causal LM with RoPE that accepts `position_ids` (sdpa or eager attention).
         input_ids: a list of token-id lists (a ragged batch), one list of ids, or a (B, P) LongTensor.
+        attention_mask: for a padded (B, P) tensor, 1 at tokens and 0 at padding (padding is stripped).
         cfg: decoding settings; keyword `overrides` replace single fields (e.g. ``max_new_tokens=64``).
         trace: also return, per sequence, what each round planned and committed.
         generator: random generator shared by all sequences when temperature > 0 (default: one per
@@ -175,26 +204,22 @@ def generate(model, input_ids, cfg: DecodeConfig | None = None, *, trace: bool =
     cfg = cfg or DecodeConfig()
     if overrides:
         cfg = cfg.replace(**overrides)
-    prompts = normalize_prompts(input_ids)
+    prompts = normalize_prompts(input_ids, attention_mask)
     tokens = (special_tokens or special_tokens_of(model)).for_decoding(cfg)
     mask_id, eos_ids = tokens.mask_token_id, list(tokens.eos_token_ids)
-    validate_prompts(model, prompts, cfg, mask_id)
     was_training = model.training
     model.eval()
     start = time.perf_counter()
     try:
         decoder = Decoder(model, capacity=max(map(len, prompts)) + cfg.canvas_length + 2 * cfg.block_size)
-        seqs = [decoder.add(p, cfg, mask_token_id=mask_id, eos_token_ids=eos_ids,
-                            generator=sequence_generator(cfg, i, generator), trace=trace, on_round=on_round)
+        seqs = [decoder.add(p, cfg, mask_token_id=mask_id, eos_token_ids=eos_ids, generator=generator, index=i,
+                            trace=trace, on_round=on_round)
                 for i, p in enumerate(prompts)]
         decoder.run()
     finally:
         model.train(was_training)
     sequences = [s.response() for s in seqs]
-    for s, tokens in zip(seqs, sequences):
-        s.stats.tokens = len(tokens)
-        s.stats.finish_reason = "eos" if tokens and tokens[-1] in eos_ids else "length"
     batch = decoder.stats
-    batch.tokens, batch.seconds = sum(map(len, sequences)), time.perf_counter() - start
+    batch.seconds = time.perf_counter() - start
     stats = GenerationStats([s.stats for s in seqs], batch)
     return GenerationOutput(sequences, stats, [s.rounds for s in seqs] if trace else None)

@@ -20,7 +20,7 @@ class SlotEvent:
 
 @dataclass
 class RoundTrace:
-    """What one round of decoding did for one sequence (ALGORITHM.md §3)."""
+    """What one round of decoding did for one sequence (docs/DECODING.md, paper §3)."""
 
     index: int
     """Round number, from 0."""
@@ -33,11 +33,24 @@ class RoundTrace:
     committed: list[SlotEvent]
     """Slots committed this round (tokens cut after EOS), in commit order."""
     how: str
-    """"fast_accept", "parallel_completion" or "autoregressive"."""
+    """"fast_accept", "parallel_completion", "speculative" or "autoregressive"."""
     forwards: int
     """Forward passes spent in this round (the first round includes the prompt)."""
     finished: bool = False
     """Whether EOS was committed in this round."""
+    phase_forwards: dict[str, int] = field(default_factory=dict)
+    """Where this round's forwards went: "plan", "verify", "complete" (parallel completion, KV recompute)."""
+    fused_plan: bool = False
+    """Whether this round's plan rode on the previous round's last forward (it cost no forward of its own)."""
+    drafted: int = 0
+    """speculative: drafted tokens verified in this round's forward."""
+    accepted: int = 0
+    """speculative: drafted tokens accepted (the round also commits the model's own next token)."""
+
+    @property
+    def tokens(self) -> int:
+        """Tokens committed in this round."""
+        return sum(len(s.tokens) for s in self.committed)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -77,6 +90,23 @@ class SequenceStats(_Rates):
     """Wall time from the start of the batch until this sequence finished."""
     finish_reason: str = "length"
     """"eos" or "length"."""
+    phase_forwards: dict[str, int] = field(default_factory=dict)
+    """Forwards per phase over all rounds: "plan", "verify", "complete" (see `RoundTrace.phase_forwards`)."""
+    committed_by: dict[str, int] = field(default_factory=dict)
+    """Tokens committed per kind of round: "fast_accept", "parallel_completion", "speculative", "autoregressive"."""
+    drafted: int = 0
+    """speculative: drafted tokens verified."""
+    accepted: int = 0
+    """speculative: drafted tokens accepted."""
+
+    def add_round(self, rnd: RoundTrace) -> None:
+        """Account for one round."""
+        self.rounds += 1
+        for phase, n in rnd.phase_forwards.items():
+            self.phase_forwards[phase] = self.phase_forwards.get(phase, 0) + n
+        self.committed_by[rnd.how] = self.committed_by.get(rnd.how, 0) + rnd.tokens
+        self.drafted += rnd.drafted
+        self.accepted += rnd.accepted
 
 
 @dataclass

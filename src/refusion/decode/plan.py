@@ -1,4 +1,4 @@
-"""Plan step (ALGORITHM.md §3.1): draft every masked slot of the block and select the slots to infill."""
+"""Plan step (docs/DECODING.md, paper §3.1): draft every masked slot of the block and select the slots to infill."""
 
 from __future__ import annotations
 
@@ -25,9 +25,11 @@ class Plan:
 
 
 def gumbel_noise(shape, generator: torch.Generator, device) -> torch.Tensor:
-    """Standard Gumbel noise in float64, drawn from `generator` (on its own device) and moved to `device`."""
-    u = torch.rand(shape, generator=generator, dtype=torch.float64, device=generator.device)
-    return (-torch.log(-torch.log(u.clamp_min(1e-300)))).to(device)
+    """Standard Gumbel noise in float32 drawn from `generator`, on the generator's device (the logits'
+    device when the generator was made for it, as `loop.sequence_generator` does)."""
+    u = torch.rand(shape, generator=generator, dtype=torch.float32, device=generator.device)
+    tiny = torch.finfo(torch.float32).tiny
+    return (-torch.log(-torch.log(u.clamp(tiny, 1.0 - 1e-7)))).to(device, non_blocking=True)
 
 
 def draft_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None):
@@ -36,13 +38,17 @@ def draft_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gene
     Confidence is the softmax probability of the drafted token under the un-noised logits, computed as
     exp(logit - logsumexp) in float32 (no full softmax tensor is materialised)."""
     logits = logits.float()
-    if temperature > 0:
-        noisy = logits.double() / temperature + gumbel_noise(logits.shape, generator, logits.device)
-        tokens = noisy.argmax(-1)
-    else:
-        tokens = logits.argmax(-1)
+    tokens = next_token(logits, temperature, generator).squeeze(-1)
     confidence = (logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)).exp()
     return tokens, confidence
+
+
+def next_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    """[..., V] -> [..., 1]: argmax at temperature 0, else a Gumbel-max sample from softmax(logits / T)."""
+    if temperature <= 0:
+        return logits.argmax(-1, keepdim=True)
+    noisy = logits.float() / temperature + gumbel_noise(logits.shape, generator, logits.device)
+    return noisy.argmax(-1, keepdim=True)
 
 
 def select_slots(scores: torch.Tensor, slot_threshold: float) -> torch.Tensor:

@@ -5,7 +5,7 @@ position ids and groups) and receives the logits of those tokens; the batching l
 forwards of every live sequence of a batch together. Between forwards a program commits, retains or
 discards its pending KV entries through `Sequence`, which owns its row of the `SlotCache`.
 
-ReFusion (ALGORITHM.md §3): for each block, rounds of 1. plan, 2. verify, then 3. fast accept or
+ReFusion (docs/DECODING.md, paper §3): for each block, rounds of 1. plan, 2. verify, then 3. fast accept or
 4. parallel completion, and 5. commit with KV reuse. The autoregressive baseline runs on the same engine.
 """
 
@@ -29,7 +29,8 @@ from refusion.decode.infill import (
     verify_selected,
 )
 from refusion.decode.outputs import RoundTrace, SequenceStats, SlotEvent
-from refusion.decode.plan import gumbel_noise, plan_slots
+from refusion.decode.plan import next_token, plan_slots
+from refusion.decode.speculate import Drafts, accept_drafts, draft_tokens_from_masks
 
 
 @dataclass
@@ -44,13 +45,25 @@ class Forward:
     """[T] group of each token: a token sees the context, and earlier tokens of its own group."""
     logits_from: int = 0
     """Logits are returned for tokens[logits_from:]."""
+    lower_upto: torch.Tensor | None = None
+    """[T] or None: a token also sees the pending entries of every lower group at positions <= this (-1: none)."""
+
+    def with_branch(self, tokens: torch.Tensor, positions: torch.Tensor, group: int, upto: int) -> Forward:
+        """This forward plus `tokens` appended as group `group`, reading lower groups' entries up to `upto`."""
+        lower = self.lower_upto if self.lower_upto is not None else torch.full_like(self.positions, -1)
+        return Forward(torch.cat([self.tokens, tokens]), torch.cat([self.positions, positions]),
+                       torch.cat([self.groups, torch.full_like(tokens, group)]), self.logits_from,
+                       torch.cat([lower, torch.full_like(tokens, upto)]))
 
 
 Program = Generator[Forward, torch.Tensor, None]
 
 
 class Sequence:
-    """State of one sequence: prompt, committed tokens, settings, statistics and trace."""
+    """State of one sequence: prompt, committed tokens, settings, statistics and trace.
+
+    Programs change it only through its verbs: `commit`, `retain`, `discard` (the sequence's row of the
+    `SlotCache`), `record` (a finished round) and `finish` (why it ended)."""
 
     def __init__(self, seq_id: int, prompt: list[int], cfg: DecodeConfig, *, mask_token_id: int | None,
                  eos_token_ids: list[int], cache: SlotCache, device: torch.device,
@@ -68,7 +81,7 @@ class Sequence:
         self.started = time.perf_counter()
         self.finished = False
         cache.add_sequence(seq_id)
-        self.program: Program = (autoregressive_program if cfg.strategy == "autoregressive" else refusion_program)(self)
+        self.program: Program = PROGRAMS[cfg.strategy](self)
 
     @property
     def prompt_length(self) -> int:
@@ -77,18 +90,35 @@ class Sequence:
     def is_eos(self, tokens: torch.Tensor) -> torch.Tensor:
         return torch.isin(tokens, self.eos_ids)
 
-    def commit(self, tokens: torch.Tensor, positions: torch.Tensor) -> None:
-        """Append tokens to the context; their pending KV entries become context (KV reuse)."""
-        self.cache.commit(self.id, positions)
+    def commit(self, tokens: torch.Tensor, positions: torch.Tensor, *, cached: bool = True,
+               group: int | None = None) -> None:
+        """Append tokens to the context; their pending KV entries (of `group`, where several groups hold a
+        position) become context (KV reuse). `cached=False` for tokens that end the sequence before any
+        forward saw them (they have no KV)."""
+        if cached:
+            self.cache.commit(self.id, positions, group)
         self.committed_tokens.append(tokens)
         self.committed_positions.append(positions)
 
+    def retain(self, positions: torch.Tensor) -> None:
+        """Keep the pending KV entries at `positions` pending; drop every other pending entry."""
+        self.cache.retain(self.id, positions)
+
+    def discard(self) -> None:
+        """Drop every pending KV entry: the cache holds exactly the context again."""
+        self.cache.discard(self.id)
+
     def record(self, rnd: RoundTrace) -> None:
-        self.stats.rounds += 1
+        self.stats.add_round(rnd)
         if self.rounds is not None:
             self.rounds.append(rnd)
         if self.on_round is not None:
             self.on_round(self, rnd)
+
+    def finish(self, reason: str) -> None:
+        """The program is done: "eos" (it committed an end-of-sequence token) or "length"."""
+        self.stats.finish_reason = reason
+        self.stats.tokens = len(self.response())
 
     def _committed_in_order(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, positions) of the context sorted by position."""
@@ -124,45 +154,86 @@ def _slot_events(starts: torch.Tensor, tokens: list[torch.Tensor], scores=None) 
             for i, (s, t) in enumerate(zip(starts, tokens))]
 
 
+def _masks(seq: Sequence, positions: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(positions, seq.mask_token_id)
+
+
+def _zeros(tokens: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(tokens)
+
+
+# --------------------------------------------------------------------------------- ReFusion
 def refusion_program(seq: Sequence) -> Program:
+    """Plan and infill, block by block (docs/DECODING.md; paper §3).
+
+    Fused planning (`cfg.fused_plan`): the masks of the slots that will be left after this round ride on the
+    round's last forward as their own attention group, reading every token the round may commit. When the
+    round commits all it selected, their logits are exactly the next round's plan, which then costs no
+    forward; otherwise they are dropped and the next round plans with a forward of its own.
+    """
     cfg, k, device = seq.cfg, seq.cfg.slot_size, seq.device
     offsets = torch.arange(k, device=device)
     prompt_length = seq.prompt_length
     canvas_end = prompt_length + cfg.canvas_length
+    block_starts = list(range(prompt_length, canvas_end, cfg.block_size))
+
+    def block_slots(block: int) -> torch.Tensor:
+        """Starts of the slots of a block."""
+        if block >= len(block_starts):
+            return torch.empty(0, dtype=torch.long, device=device)
+        start = block_starts[block]
+        return torch.arange(start, min(start + cfg.block_size, canvas_end), k, device=device)
+
+    def slot_positions(starts: torch.Tensor) -> torch.Tensor:
+        return (starts[:, None] + offsets).flatten()
+
     first_round, finished = True, False
-    for block, block_start in enumerate(range(prompt_length, canvas_end, cfg.block_size)):
-        block_end = min(block_start + cfg.block_size, canvas_end)
-        slots = torch.arange(block_start, block_end, k, device=device)  # starts of the masked slots
+    next_plan = None  # logits of the next round's masks, when they rode on the last forward
+    for block in range(len(block_starts)):
+        slots = block_slots(block)  # starts of the masked slots
         while slots.numel():
-            masked_slots, forwards = slots.tolist(), 0
+            masked_slots, phases, fused = slots.tolist(), {"plan": 0, "verify": 0, "complete": 0}, next_plan is not None
 
             # 1. plan: draft every masked slot of the block on top of the context
-            mask_positions = (slots[:, None] + offsets).flatten()
-            masks = torch.full_like(mask_positions, seq.mask_token_id)
-            if first_round:
-                request = Forward(torch.cat([seq.prompt, masks]),
-                                  torch.cat([torch.arange(prompt_length, device=device), mask_positions]),
-                                  torch.zeros(prompt_length + masks.numel(), dtype=torch.long, device=device),
-                                  logits_from=prompt_length)
-            else:
-                request = Forward(masks, mask_positions, torch.zeros_like(masks))
-            logits = yield request
-            forwards += 1
-            if first_round:
-                seq.commit(seq.prompt, torch.arange(prompt_length, device=device))
-                first_round = False
-            else:
-                seq.cache.discard(seq.id)
-            plan = plan_slots(logits, k, cfg.slot_threshold, cfg.temperature, seq.generator)
+            if next_plan is None:
+                mask_positions = slot_positions(slots)
+                masks = _masks(seq, mask_positions)
+                if first_round:
+                    request = Forward(torch.cat([seq.prompt, masks]),
+                                      torch.cat([torch.arange(prompt_length, device=device), mask_positions]),
+                                      torch.zeros(prompt_length + masks.numel(), dtype=torch.long, device=device),
+                                      logits_from=prompt_length)
+                else:
+                    request = Forward(masks, mask_positions, _zeros(masks))
+                next_plan = yield request
+                phases["plan"] += 1
+                if first_round:
+                    seq.commit(seq.prompt, torch.arange(prompt_length, device=device))
+                    first_round = False
+                else:
+                    seq.discard()
+            plan = plan_slots(next_plan, k, cfg.slot_threshold, cfg.temperature, seq.generator)
+            next_plan = None
             selected = plan.selected
             drafts = plan.drafts[selected]  # [m, k]
             starts = slots[selected]
             positions = starts[:, None] + offsets  # [m, k]
             planned = _slot_events(starts, list(drafts), plan.scores[selected])
+            left = slots[~torch.isin(slots, starts)]
+            upcoming = left if left.numel() else block_slots(block + 1)  # what the next plan drafts
+            fuse = cfg.fused_plan and upcoming.numel() > 0
+
+            def with_next_plan(request: Forward) -> Forward:
+                """Append the next round's masks, reading every pending entry of the round (fused plan)."""
+                group = int(request.groups.max()) + 1
+                mask_positions = slot_positions(upcoming)
+                return request.with_branch(_masks(seq, mask_positions), mask_positions, group, canvas_end)
 
             # 2. verify: one forward of the selected drafts in position order, keeping its KV for now
-            logits = yield Forward(drafts.flatten(), positions.flatten(), torch.zeros_like(drafts.flatten()))
-            forwards += 1
+            request = Forward(drafts.flatten(), positions.flatten(), _zeros(drafts.flatten()))
+            logits = yield with_next_plan(request) if fuse else request
+            phases["verify"] += 1
+            logits, fused_logits = logits[: drafts.numel()], logits[drafts.numel():]
             ar_probs = shifted_token_probs(logits, drafts.flatten()).view_as(drafts)
             verification = verify_selected(plan.confidence[selected, 0], ar_probs, cfg.token_threshold)
             accept = fast_accept(drafts, verification.prefix_length, seq.is_eos(drafts))
@@ -176,45 +247,58 @@ def refusion_program(seq: Sequence) -> Program:
                 slots = slots[~torch.isin(slots, starts[:n])]
                 if accept.eos:
                     slots, finished = slots[slots < starts[n - 1]], True
+                elif fuse and n == starts.numel():
+                    next_plan = fused_logits
                 seq.record(RoundTrace(seq.stats.rounds, block, masked_slots, planned,
-                                      _slot_events(starts[:n], committed), "fast_accept", forwards, accept.eos))
+                                      _slot_events(starts[:n], committed), "fast_accept", sum(phases.values()),
+                                      accept.eos, phases, fused))
                 continue
 
             # 4. parallel completion: one row per selected slot, sharing the context KV
-            seq.cache.discard(seq.id)
-            rows, positions, eos_row, completion_forwards = yield from parallel_completion(
-                seq, drafts, positions, verification.slot_accepted)
-            forwards += completion_forwards
+            seq.discard()
+            fuse_completion = fuse and cfg.kv_cache == "reuse"
+            rows, positions, eos_row, completion_forwards, fused_logits = yield from parallel_completion(
+                seq, drafts, positions, verification.slot_accepted, with_next_plan if fuse_completion else None)
+            phases["complete"] += completion_forwards
 
             # 5. commit every completed row with its own KV (or recompute it: the Table 8 ablation)
             keep = cut_after_first_eos(seq.is_eos(rows.flatten()))
             tokens, token_positions = rows.flatten()[keep], positions.flatten()[keep]
             if cfg.kv_cache == "recompute":
-                seq.cache.discard(seq.id)
-                yield Forward(tokens, token_positions, torch.zeros_like(tokens))
-                forwards += 1
+                seq.discard()
+                request = Forward(tokens, token_positions, _zeros(tokens))
+                fuse_recompute = fuse and eos_row is None
+                logits = yield with_next_plan(request) if fuse_recompute else request
+                fused_logits = logits[tokens.numel():] if fuse_recompute else None
+                phases["complete"] += 1
             seq.commit(tokens, token_positions)
             committed = list(tokens.split([int(keep.view_as(rows)[r].sum()) for r in range(rows.shape[0])]))
             slots = slots[~torch.isin(slots, starts)]
             if eos_row is not None:
                 slots, finished = slots[slots < starts[eos_row]], True
+            elif fuse:
+                next_plan = fused_logits
             seq.record(RoundTrace(seq.stats.rounds, block, masked_slots, planned,
                                   _slot_events(starts[: rows.shape[0]], committed), "parallel_completion",
-                                  forwards, eos_row is not None))
+                                  sum(phases.values()), eos_row is not None, phases, fused))
         if finished:
             break
+    seq.finish("eos" if finished else "length")
 
 
-def parallel_completion(seq: Sequence, drafts: torch.Tensor, positions: torch.Tensor, accepted: torch.Tensor):
+def parallel_completion(seq: Sequence, drafts: torch.Tensor, positions: torch.Tensor, accepted: torch.Tensor,
+                        with_next_plan=None):
     """§3.4: complete every selected slot, each as its own row, until all positions are accepted.
 
-    Returns (rows [r, k], positions [r, k], eos_row or None, forwards). Rows after the first one holding
-    an accepted EOS are dropped. On return the cache holds each row's own KV as pending entries.
+    Returns (rows [r, k], positions [r, k], eos_row or None, forwards, next-plan logits or None). Rows after
+    the first one holding an accepted EOS are dropped. On return the cache holds each row's own KV as
+    pending entries. `with_next_plan` appends the fused plan's masks to every verify forward; the logits of
+    the last one are returned (valid when every row is committed).
     """
     cfg, k = seq.cfg, seq.cfg.slot_size
     rows, tags = drafts.clone(), accepted.clone()
     groups = torch.arange(rows.shape[0], device=rows.device)[:, None].expand_as(rows)
-    shared, eos_row, forwards = 0, None, 0  # shared: cached prefix length common to all rows
+    shared, eos_row, forwards, fused_logits = 0, None, 0, None  # shared: cached prefix length common to all rows
     for _ in range(k):
         if bool(tags.all()):
             break
@@ -225,14 +309,16 @@ def parallel_completion(seq: Sequence, drafts: torch.Tensor, positions: torch.Te
         masked = torch.where(window_tags, window, seq.mask_token_id)
         logits = yield Forward(masked.flatten(), window_positions.flatten(), window_groups.flatten())
         forwards += 1
-        seq.cache.retain(seq.id, positions[:, :shared].flatten())
+        seq.retain(positions[:, :shared].flatten())
         proposed = logits.argmax(-1).view_as(window)
         window = torch.where(window_tags, window, proposed)
         rows[:, shared:] = window
 
         # verify: AR probabilities of the filled window; keep its KV
-        logits = yield Forward(window.flatten(), window_positions.flatten(), window_groups.flatten())
+        request = Forward(window.flatten(), window_positions.flatten(), window_groups.flatten())
+        logits = yield with_next_plan(request) if with_next_plan else request
         forwards += 1
+        logits, fused_logits = logits[: window.numel()], logits[window.numel():]
         probs = shifted_token_probs(logits.view(*window.shape, -1), window)
         accept = force_progress(probs > cfg.token_threshold, window_tags)
         tags[:, shared:] = accepted_prefix(accept)
@@ -245,12 +331,97 @@ def parallel_completion(seq: Sequence, drafts: torch.Tensor, positions: torch.Te
             tags[eos_row] = 1
 
         shared += shared_advance(tags[:, shared:], bool(tags.all()))
-        seq.cache.retain(seq.id, positions[:, :shared].flatten())
+        seq.retain(positions[:, :shared].flatten())
     if shared != k:
         raise RuntimeError(f"parallel completion ended with {shared} of {k} positions shared")
-    return rows, positions, eos_row, forwards
+    return rows, positions, eos_row, forwards, fused_logits
 
 
+# --------------------------------------------------------------------------------- speculative (exact)
+def speculative_program(seq: Sequence) -> Program:
+    """Masked drafts verified by the model's own AR predictions: the output is AR decoding's, token for token.
+
+    Every forward carries the next token (already decided by the previous forward's AR logits) and the
+    drafts after it, followed by masks that draft the tokens after the next one. The drafts are accepted
+    while they agree with the AR predictions (greedy), or by the speculative-sampling rule (temperature > 0);
+    the AR prediction after the last accepted draft is the next forward's first token, so every forward
+    commits at least one token. A single chain of masks (after the drafts) drafts only when every draft
+    is accepted; `cfg.predraft` adds one chain of masks per possible acceptance length.
+    """
+    cfg, device = seq.cfg, seq.device
+    prompt_length, draft_length = seq.prompt_length, cfg.draft_length
+    end = prompt_length + cfg.max_new_tokens  # positions of the response are < end
+
+    def draft_masks(after: int) -> torch.Tensor:
+        """Positions of the masks that draft the tokens after position `after` + 1 (the first mask stands
+        for the token the AR logits give at `after` + 1 and drafts nothing)."""
+        return torch.arange(after + 1, max(after + 1, min(after + 2 + draft_length, end)), device=device)
+
+    prompt_positions = torch.arange(prompt_length, device=device)
+    masks = draft_masks(prompt_length - 1)
+    logits = yield Forward(torch.cat([seq.prompt, _masks(seq, masks)]), torch.cat([prompt_positions, masks]),
+                           torch.zeros(prompt_length + masks.numel(), dtype=torch.long, device=device),
+                           logits_from=prompt_length - 1)
+    seq.commit(seq.prompt, prompt_positions)
+    token = next_token(logits[0], cfg.temperature, seq.generator)  # the token at `position`
+    drafts = draft_tokens_from_masks(logits[2:], cfg.temperature, seq.generator)
+    position, phases = prompt_length, {"prefill": 1}  # the first round also accounts for the prefill
+    while True:
+        if bool(seq.is_eos(token)) or position == end - 1:  # the last token needs no forward
+            eos = bool(seq.is_eos(token))
+            seq.commit(token, torch.tensor([position], device=device), cached=False)
+            seq.record(RoundTrace(seq.stats.rounds, 0, [], [], [SlotEvent(position, token.tolist())],
+                                  "speculative", sum(phases.values()), eos, phases))
+            seq.finish("eos" if eos else "length")
+            return
+        phases["verify"] = phases.get("verify", 0) + 1
+        drafts = drafts[: end - 1 - position]
+        n = drafts.tokens.numel()
+        chain = torch.cat([token, drafts.tokens])
+        chain_positions = torch.arange(position, position + n + 1, device=device)
+        request = Forward(chain, chain_positions, _zeros(chain))
+        branches = []  # (acceptance length, mask positions) of each chain of masks, in request order
+        if cfg.predraft:
+            for accepted in range(n, -1, -1):  # group n - accepted + 1 reads the chain up to its last accepted token
+                masks = draft_masks(position + accepted)
+                if masks.numel() > 1:
+                    request = request.with_branch(_masks(seq, masks), masks, n - accepted + 1, position + accepted)
+                    branches.append((accepted, masks))
+        else:
+            masks = draft_masks(position + n)
+            if masks.numel() > 1:
+                request = Forward(torch.cat([chain, _masks(seq, masks)]), torch.cat([chain_positions, masks]),
+                                  _zeros(torch.cat([chain, masks])))
+                branches.append((n, masks))
+        logits = yield request
+
+        accepted, following = accept_drafts(drafts, logits[: n + 1], cfg.temperature, seq.generator)
+        tokens = chain[: accepted + 1]
+        eos = seq.is_eos(tokens)
+        if bool(eos.any()):
+            tokens = tokens[cut_after_first_eos(eos)]
+        seq.commit(tokens, chain_positions[: tokens.numel()], group=0)  # pre-drafts may share positions
+        done = bool(eos.any())
+        seq.record(RoundTrace(seq.stats.rounds, 0, [],
+                              [SlotEvent(position + 1, drafts.tokens.tolist())] if n else [],
+                              [SlotEvent(position, tokens.tolist())], "speculative", sum(phases.values()), done,
+                              phases, False, n, min(accepted, tokens.numel() - 1)))
+        phases = {}
+        position += accepted + 1
+        if done or position == end:
+            seq.finish("eos" if done else "length")
+            return
+        token = following
+        offset = n + 1
+        drafts = Drafts.none(device)
+        for branch_accepted, masks in branches:
+            if branch_accepted == accepted:
+                drafts = draft_tokens_from_masks(logits[offset + 1: offset + masks.numel()], cfg.temperature,
+                                                 seq.generator)
+            offset += masks.numel()
+
+
+# --------------------------------------------------------------------------------- autoregressive
 def autoregressive_program(seq: Sequence) -> Program:
     """The baseline: one token per forward on the same engine (greedy, or sampled at temperature > 0)."""
     cfg, device = seq.cfg, seq.device
@@ -262,21 +433,16 @@ def autoregressive_program(seq: Sequence) -> Program:
         token = next_token(logits[-1], cfg.temperature, seq.generator)
         position = torch.tensor([prompt_length + i], device=device)
         eos = bool(seq.is_eos(token))
-        if eos or i == cfg.max_new_tokens - 1:
-            seq.committed_tokens.append(token)  # no forward needed for the last token
-            seq.committed_positions.append(position)
-            seq.record(RoundTrace(seq.stats.rounds, 0, [], [], [SlotEvent(int(position), token.tolist())],
-                                  "autoregressive", 1, eos))
-            return
-        logits = yield Forward(token, position, torch.zeros_like(position))
-        seq.commit(token, position)
+        last = eos or i == cfg.max_new_tokens - 1
+        if not last:
+            logits = yield Forward(token, position, torch.zeros_like(position))
+        seq.commit(token, position, cached=not last)  # the last token needs no forward
         seq.record(RoundTrace(seq.stats.rounds, 0, [], [], [SlotEvent(int(position), token.tolist())],
-                              "autoregressive", 1, False))
+                              "autoregressive", 1, eos, {"prefill" if i == 0 else "decode": 1}))
+        if last:
+            seq.finish("eos" if eos else "length")
+            return
 
 
-def next_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
-    """[V] -> [1]: argmax at temperature 0, else a Gumbel-max sample from softmax(logits / temperature)."""
-    if temperature <= 0:
-        return logits.argmax(-1, keepdim=True)
-    noisy = logits.double() / temperature + gumbel_noise(logits.shape, generator, logits.device)
-    return noisy.argmax(-1, keepdim=True)
+PROGRAMS = {"refusion": refusion_program, "speculative": speculative_program,
+            "autoregressive": autoregressive_program}

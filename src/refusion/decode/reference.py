@@ -1,7 +1,7 @@
 """A slow, cache-free reference decoder: the oracle the fast engine must agree with.
 
 Batch size 1, temperature 0, written independently of the engine (no shared helpers) and in the order of
-ALGORITHM.md §3. It keeps no KV cache: every forward re-reads the whole context. To stay equivalent to
+docs/DECODING.md (paper §3). It keeps no KV cache: every forward re-reads the whole context. To stay equivalent to
 KV reuse it tags every committed token with (round, row) and rebuilds the attention pattern that reuse
 produces: a context token sees every earlier context token except those committed in the same round by
 another row of parallel completion (rows never attend to each other). In "recompute" mode the rows of a

@@ -1,0 +1,76 @@
+"""The exact mode's draft and acceptance steps: masked drafts, accepted by the model's own AR predictions.
+
+Pure functions on small tensors; `program.speculative_program` strings them together. Greedy decoding
+accepts a draft while it equals the AR argmax; at temperature > 0 the speculative-sampling rule (accept x
+with probability min(1, p(x) / q(x)), else resample from the normalised max(0, p - q)) makes the output
+follow AR sampling's distribution exactly, whatever the drafts are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Drafts:
+    """Drafted tokens and the distribution each was drawn from."""
+
+    tokens: torch.Tensor
+    """[d] drafted tokens, in position order."""
+    probs: torch.Tensor | None
+    """[d, V] the draft distribution q of each token (None when drafted greedily)."""
+
+    @staticmethod
+    def none(device) -> Drafts:
+        return Drafts(torch.empty(0, dtype=torch.long, device=device), None)
+
+    def __getitem__(self, index: slice) -> Drafts:
+        return Drafts(self.tokens[index], None if self.probs is None else self.probs[index])
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """[..., V] probabilities -> [..., 1] one sample per row, from `generator`."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(*probs.shape[:-1], 1)
+
+
+def draft_tokens_from_masks(mask_logits: torch.Tensor, temperature: float,
+                            generator: torch.Generator | None) -> Drafts:
+    """[d, V] logits at masked positions -> drafts: argmax at temperature 0, else samples of softmax(l / T)."""
+    if temperature <= 0:
+        return Drafts(mask_logits.argmax(-1), None)
+    probs = torch.softmax(mask_logits.float() / temperature, -1)
+    return Drafts(sample(probs, generator).squeeze(-1), probs)
+
+
+def accept_drafts(drafts: Drafts, ar_logits: torch.Tensor, temperature: float,
+                  generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
+    """How many drafts AR decoding accepts, and the token that follows the last accepted one.
+
+    ar_logits: [d + 1, V], row i the AR logits at the position before draft i (row d: after the last draft).
+    Returns (accepted, next token [1]).
+    """
+    n = drafts.tokens.numel()
+    if temperature <= 0:
+        predicted = ar_logits.argmax(-1)  # [d + 1]
+        accepted = int(torch.cumprod((drafts.tokens == predicted[:n]).long(), 0).sum())
+        return accepted, predicted[accepted: accepted + 1]
+    target = torch.softmax(ar_logits.float() / temperature, -1)  # [d + 1, V]
+    if n == 0:
+        return 0, sample(target[0], generator)
+    if drafts.probs is None:
+        raise ValueError("drafts at temperature > 0 need their draft distribution")
+    rows = torch.arange(n, device=ar_logits.device)
+    p = target[rows, drafts.tokens]
+    q = drafts.probs[rows, drafts.tokens]
+    u = torch.rand(n, generator=generator, device=ar_logits.device)
+    rejected = (u * q >= p).nonzero()  # u < p / q accepts (q > 0: the draft was drawn from q)
+    if rejected.numel() == 0:
+        return n, sample(target[n], generator)
+    i = int(rejected[0])
+    residual = (target[i] - drafts.probs[i]).clamp_min(0)
+    if float(residual.sum()) <= 0:  # p == q: a rejection cannot happen in exact arithmetic
+        residual = target[i]
+    return i, sample(residual / residual.sum(), generator)

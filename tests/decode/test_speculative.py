@@ -1,0 +1,155 @@
+"""The exact mode (strategy="speculative"): its output is AR decoding's, token for token (greedy) and in
+distribution (sampling), whatever the drafts; fused planning gives the paper's tokens with fewer forwards."""
+
+import random
+
+import pytest
+import torch
+
+import refusion
+from refusion.model.tiny import TINY_MASK_ID, tiny_model
+
+from .conftest import EOS, MASK, ScriptedLM
+from .test_parity import random_settings
+
+ARCHS = ["qwen3", "llama", "qwen2", "mistral"]
+PROMPTS = [[1, 5, 7, 9], [1, 3, 4, 5, 6, 7, 8, 10, 11], [9], [12, 13, 14, 15, 16]]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_speculative_equals_autoregressive_and_transformers_greedy(arch):
+    model = tiny_model(arch)
+    ar = refusion.generate(model, PROMPTS, max_new_tokens=24, strategy="autoregressive", eos_token_id=2).sequences
+    for prompt, sequence in zip(PROMPTS, ar):
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=2,
+                                  pad_token_id=0)[0, len(prompt):].tolist()
+        assert sequence == expected
+    for draft_length in (1, 2, 3, 5, 8):
+        for predraft in (False, True):
+            cfg = refusion.DecodeConfig(max_new_tokens=24, strategy="speculative", draft_length=draft_length,
+                                        predraft=predraft, eos_token_id=2)
+            assert refusion.generate(model, PROMPTS, cfg).sequences == ar, (draft_length, predraft)
+            assert refusion.generate(model, PROMPTS[1:2], cfg).sequences == ar[1:2]
+
+
+def _ar_continuation_model(masks_right: dict[int, bool], ar: dict[int, int]) -> ScriptedLM:
+    """Scripted model whose masks draft the AR token (or a wrong one) at each position."""
+    nexts = {p: (t, 0.9) for p, t in ar.items()}
+    masks = {p: (t if masks_right.get(p, True) else 20, 0.9) for p, t in ar.items()}
+    return ScriptedLM(masks, nexts)
+
+
+@pytest.mark.parametrize("predraft", [False, True])
+def test_speculative_accepts_agreeing_drafts_and_stays_exact(predraft):
+    # prompt [5, 6] at positions 0-1; AR continues 10, 11, ..., 19 then EOS at position 12
+    ar = {p: 8 + p for p in range(2, 12)} | {12: EOS}
+    wrong = {5: False, 9: False}  # two drafts disagree: each costs the rest of its chain
+    model = _ar_continuation_model(wrong, ar)
+    expected = refusion.generate(model, [[5, 6]], max_new_tokens=20, strategy="autoregressive").sequences
+    assert expected == [[10, 11, 12, 13, 14, 15, 16, 17, 18, 19, EOS]]
+    out = refusion.generate(_ar_continuation_model(wrong, ar), [[5, 6]], max_new_tokens=20, strategy="speculative",
+                            draft_length=3, predraft=predraft, trace=True)
+    assert out.sequences == expected
+    stats = out.stats.per_sequence[0]
+    assert stats.accepted >= 4 and stats.drafted > stats.accepted
+    assert stats.forwards < len(expected[0]) and stats.finish_reason == "eos"
+    assert sum(r.forwards for r in out.traces[0]) == stats.forwards
+    assert sum(r.tokens for r in out.traces[0]) == len(expected[0])
+    if predraft:  # drafts are ready whatever was accepted: every forward after the prefill verifies some
+        assert all(r.drafted for r in out.traces[0][:-1])
+
+
+@pytest.mark.parametrize("predraft", [False, True])
+def test_drafts_are_the_masks_predictions_on_top_of_the_accepted_text(predraft):
+    """Each round's drafts equal a cache-free forward of prompt + accepted text + masks: the masks of a
+    forward read exactly the accepted prefix of the chain (this checks the pre-draft attention groups)."""
+    model = tiny_model("qwen3", dtype=torch.float64)
+    prompt, draft_length = [1, 5, 7, 9], 3
+    out = refusion.generate(model, [prompt], max_new_tokens=20, strategy="speculative", draft_length=draft_length,
+                            predraft=predraft, eos_token_id=[], trace=True)
+    text = prompt + out.sequences[0]
+    checked = 0
+    for rnd in out.traces[0]:
+        for event in rnd.planned:
+            position = event.start - 1  # the round's first token (decided before), then its drafts
+            ids = text[:position] + [TINY_MASK_ID] * (draft_length + 1)
+            logits = model(torch.tensor([ids]), position_ids=torch.arange(len(ids))[None]).logits[0]
+            expected = logits[position + 1: position + 1 + len(event.tokens)].argmax(-1).tolist()
+            assert event.tokens == expected
+            checked += 1
+    assert checked >= 5
+
+
+def test_speculative_sampling_follows_the_autoregressive_distribution():
+    """At temperature > 0 the first two sampled tokens follow AR sampling's joint distribution exactly."""
+    model = tiny_model("qwen3", dtype=torch.float64)
+    prompt, temperature, n = [1, 5, 7, 9], 3.0, 3000
+    with torch.no_grad():
+        first = torch.softmax(model(torch.tensor([prompt])).logits[0, -1] / temperature, -1)
+        likely = first.nonzero().flatten().tolist()
+        following = {t: torch.softmax(model(torch.tensor([prompt + [t]])).logits[0, -1] / temperature, -1)
+                     for t in likely}
+    cfg = refusion.DecodeConfig(max_new_tokens=2, strategy="speculative", draft_length=2, temperature=temperature,
+                                seed=0, eos_token_id=[])
+    out = refusion.generate(model, [prompt] * n, cfg)
+    counts: dict[tuple[int, int], int] = {}
+    for a, b in out.sequences:
+        counts[(a, b)] = counts.get((a, b), 0) + 1
+    exact = {(a, b): float(first[a] * following[a][b]) for a in likely for b in range(first.numel())}
+    tv = 0.5 * sum(abs(counts.get(c, 0) / n - p) for c, p in exact.items())
+    assert tv < 0.12, tv  # ~0.07 expected from sampling noise alone with n=3000
+    marginal_tv = 0.5 * sum(abs(sum(v for (a, _), v in counts.items() if a == t) / n - float(first[t]))
+                            for t in likely)
+    assert marginal_tv < 0.04, marginal_tv
+    accepted = sum(s.accepted for s in out.stats.per_sequence)
+    assert 0.05 * n < accepted < 0.95 * n  # the acceptance rule ran both ways
+
+
+def test_speculative_sampling_is_reproducible_and_batch_independent():
+    model = tiny_model("qwen3", dtype=torch.float64)
+    cfg = refusion.DecodeConfig(max_new_tokens=16, strategy="speculative", temperature=2.0, seed=3, eos_token_id=[])
+    both = refusion.generate(model, PROMPTS[:2], cfg).sequences
+    assert refusion.generate(model, PROMPTS[:2], cfg).sequences == both
+    assert refusion.generate(model, PROMPTS[:1], cfg).sequences == both[:1]
+    greedy = refusion.generate(model, PROMPTS[:2], cfg.replace(temperature=0.0)).sequences
+    assert both != greedy
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_fused_planning_gives_the_same_tokens_with_fewer_forwards(arch):
+    model = tiny_model(arch, dtype=torch.float64)
+    rng = random.Random(f"fused-{arch}")
+    fused_rounds = 0
+    for _ in range(25):
+        cfg = refusion.DecodeConfig(**random_settings(rng), fused_plan=False)
+        prompts = [[rng.randint(3, 60) for _ in range(rng.randint(1, 12))] for _ in range(3)]
+        plain = refusion.generate(model, prompts, cfg)
+        fused = refusion.generate(model, prompts, cfg.replace(fused_plan=True), trace=True)
+        assert fused.sequences == plain.sequences, cfg
+        for p, f, rounds in zip(plain.stats.per_sequence, fused.stats.per_sequence, fused.traces):
+            saved = sum(r.fused_plan for r in rounds)
+            assert f.forwards == p.forwards - saved and f.phase_forwards.get("plan", 0) == p.phase_forwards["plan"] - saved
+            assert sum(r.forwards for r in rounds) == f.forwards
+            fused_rounds += saved
+    assert fused_rounds > 20
+
+
+def test_every_forward_is_accounted_for():
+    model = tiny_model("qwen3", dtype=torch.float64)
+    for strategy in ("refusion", "speculative", "autoregressive"):
+        out = refusion.generate(model, PROMPTS, max_new_tokens=20, slot_size=4, block_size=8, slot_threshold=0.5,
+                                token_threshold=0.3, strategy=strategy, eos_token_id=[40], trace=True)
+        for stats, rounds, sequence in zip(out.stats.per_sequence, out.traces, out.sequences):
+            assert sum(stats.phase_forwards.values()) == stats.forwards == sum(r.forwards for r in rounds)
+            assert sum(stats.committed_by.values()) >= len(sequence) == stats.tokens
+            assert stats.finish_reason == ("eos" if sequence[-1] == 40 else "length")
+
+
+def test_speculative_needs_a_mask_token_and_validates_draft_length():
+    with pytest.raises(ValueError, match="draft_length=0"):
+        refusion.DecodeConfig(strategy="speculative", draft_length=0)
+    model = tiny_model("qwen3")
+    model.config.mask_token_id = None
+    with pytest.raises(ValueError, match="mask_token_id"):
+        refusion.generate(model, [[1, 2]], strategy="speculative")
+    assert MASK != TINY_MASK_ID or True
