@@ -1,0 +1,109 @@
+"""Decode modes side by side on one model and one set of prompts, in one run, batch 1.
+
+For every prompt, every mode decodes it back to back (so machine noise hits all modes alike): AR decoding
+(the baseline), the exact speculative mode (single draft chain and pre-drafts), and the paper's plan and
+infill with and without fused planning. Reported per mode: tokens, forwards, tokens per forward, tokens/s,
+speed ratio to AR, forwards per phase, how many outputs equal AR decoding's, draft acceptance. Ends with
+one JSON line.
+
+    python benchmarks/decode_modes.py [--model PATH|random] [--prompts 30] [--max-new-tokens 256] [--preset NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+
+from refusion.config import DecodeConfig, preset
+from refusion.data import boxed_prompt, default_data_dir, read_jsonl
+from refusion.decode.loop import generate
+from refusion.model.loading import encode_prompts, load
+
+
+def modes(base: DecodeConfig, draft_lengths: list[int]) -> dict[str, DecodeConfig]:
+    out = {"autoregressive": base.replace(strategy="autoregressive")}
+    for d in draft_lengths:
+        out[f"speculative_d{d}"] = base.replace(strategy="speculative", draft_length=d, predraft=False)
+        out[f"speculative_d{d}_predraft"] = base.replace(strategy="speculative", draft_length=d, predraft=True)
+    out["refusion_fused"] = base.replace(strategy="refusion", fused_plan=True)
+    out["refusion_unfused"] = base.replace(strategy="refusion", fused_plan=False)
+    return out
+
+
+def add(total: dict, key: str, counts: dict) -> None:
+    bucket = total.setdefault(key, {})
+    for name, n in counts.items():
+        bucket[name] = bucket.get(name, 0) + n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="model path or name (default: the embedded model)")
+    parser.add_argument("--prompts", type=int, default=30)
+    parser.add_argument("--skip", type=int, default=0, help="start at this GSM8K test problem")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--preset", default=None, help="ReFusion settings (default: the model's own preset)")
+    parser.add_argument("--draft-lengths", default="2,4,6")
+    parser.add_argument("--modes", default=None, help="comma-separated subset of the mode names")
+    parser.add_argument("--dtype", default=None)
+    args = parser.parse_args()
+
+    model, tokenizer = load(args.model, dtype=args.dtype)
+    rows = read_jsonl(default_data_dir() / "gsm8k" / "test.jsonl")[args.skip: args.skip + args.prompts]
+    prompts = encode_prompts(tokenizer, [boxed_prompt(r["question"]) for r in rows])
+    settings = preset(args.preset) if args.preset else preset("refusion-smol") if args.model is None else {}
+    base = DecodeConfig(max_new_tokens=args.max_new_tokens, **settings)
+    chosen = modes(base, [int(d) for d in args.draft_lengths.split(",")])
+    if args.modes:
+        chosen = {name: chosen[name] for name in args.modes.split(",")}
+    for cfg in chosen.values():  # warm-up
+        generate(model, prompts[:1], cfg.replace(max_new_tokens=8))
+
+    totals = {name: dict(tokens=0, forwards=0, seconds=0.0, identical_to_ar=0, drafted=0, accepted=0)
+              for name in chosen}
+    ar_outputs = []
+    for i, prompt in enumerate(prompts):
+        for name, cfg in chosen.items():
+            out = generate(model, [prompt], cfg)
+            s, t = out.stats.per_sequence[0], totals[name]
+            t["tokens"] += s.tokens
+            t["forwards"] += s.forwards
+            t["seconds"] += s.seconds
+            t["drafted"] += s.drafted
+            t["accepted"] += s.accepted
+            add(t, "phase_forwards", s.phase_forwards)
+            add(t, "committed_by", s.committed_by)
+            if name == "autoregressive":
+                ar_outputs.append(out.sequences[0])
+            elif "autoregressive" in chosen:
+                t["identical_to_ar"] += out.sequences[0] == ar_outputs[i]
+        print(f"prompt {i + 1}/{len(prompts)}", flush=True)
+
+    ar = totals.get("autoregressive")
+    for name, t in totals.items():
+        t["tokens_per_forward"] = t["tokens"] / t["forwards"]
+        t["tokens_per_second"] = t["tokens"] / t["seconds"]
+        if ar:
+            t["speed_vs_ar"] = t["tokens_per_second"] / (ar["tokens"] / ar["seconds"])
+            t["forwards_vs_ar"] = t["forwards"] / ar["forwards"]
+        if t["drafted"]:
+            t["draft_acceptance"] = t["accepted"] / t["drafted"]
+        print(f"{name:28s} TPF {t['tokens_per_forward']:5.2f}  {t['tokens_per_second']:6.1f} tok/s  "
+              f"x{t.get('speed_vs_ar', 1):.2f} AR  identical {t['identical_to_ar']}/{len(prompts)}  "
+              f"forwards {t['phase_forwards']}")
+    if "refusion_fused" in totals and "refusion_unfused" in totals:
+        saved = 1 - totals["refusion_fused"]["forwards"] / totals["refusion_unfused"]["forwards"]
+        print(f"fused planning: {100 * saved:.1f} % fewer forwards than unfused")
+    print(json.dumps({"benchmark": "decode_modes", "model": args.model or "refusion-smol",
+                      "dtype": str(next(model.parameters()).dtype), "prompts": len(prompts), "skip": args.skip,
+                      "max_new_tokens": args.max_new_tokens, "settings": settings, "threads": torch.get_num_threads(),
+                      "torch": torch.__version__, "machine": platform.machine(), "results": totals,
+                      "time": time.strftime("%Y-%m-%dT%H:%M:%S")}))
+
+
+if __name__ == "__main__":
+    main()
