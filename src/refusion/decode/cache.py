@@ -17,6 +17,11 @@ own (``lower_upto``): this is how a forward carries branches that build on other
 plan's masks read every completed row; speculative pre-drafts read a prefix of the draft chain). Pending entries are then committed (become CONTEXT), retained, or dropped by position id, so
 the decoding programs never see column indices and the buffer can be compacted at any time.
 
+Sliding-window attention (Mistral, Gemma, Qwen2 with `max_window_layers`): on a layer with window w, a query
+at position q also needs q - p < w to read an entry at position p (transformers' rule, on position ids, since
+the bag is not in text order). One window for every layer gives one mask; layers of several kinds give a dict
+of masks keyed by layer type, which is how transformers models with `config.layer_types` take them.
+
 Invariant, checked on every commit: a sequence's CONTEXT entries are exactly its committed tokens.
 """
 
@@ -28,6 +33,24 @@ from transformers.cache_utils import Cache, DynamicLayer
 EMPTY = -2
 CONTEXT = -1
 PADDING = -3
+WINDOWED_LAYER_TYPES = ("full_attention", "sliding_attention")  # the layer kinds whose masks we can build
+
+
+def attention_windows(config) -> dict[str, int | None]:
+    """The window of each kind of attention layer of a (text) config: {layer type: window, None for full}.
+
+    Raises ValueError for layer kinds whose masks the cache cannot build (chunked, linear, ...)."""
+    window = getattr(config, "sliding_window", None) or None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:  # one kind of layer: windowed everywhere when the config has a window (Mistral)
+        return {"sliding_attention": window} if window else {"full_attention": None}
+    unknown = sorted(set(layer_types) - set(WINDOWED_LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"attention layers of type {', '.join(unknown)} are not supported: refusion builds masks "
+                         "for full_attention and sliding_attention layers only")
+    if "sliding_attention" in layer_types and not window:
+        raise ValueError("the model has sliding_attention layers but its config gives no sliding_window")
+    return {kind: window if kind == "sliding_attention" else None for kind in sorted(set(layer_types))}
 
 
 class _BufferLayer(DynamicLayer):
@@ -50,8 +73,11 @@ class _BufferLayer(DynamicLayer):
 class SlotCache:
     """Batched bag-of-entries KV cache with per-group visibility (see the module docstring)."""
 
-    def __init__(self, num_layers: int, device: torch.device, capacity: int = 256, mask_dtype: torch.dtype | None = None):
+    def __init__(self, num_layers: int, device: torch.device, capacity: int = 256, mask_dtype: torch.dtype | None = None,
+                 windows: dict[str, int | None] | None = None):
         self.num_layers = num_layers
+        # {layer type: sliding window or None}: one entry -> one mask for every layer, several -> a dict of masks
+        self.windows = windows or {"full_attention": None}
         self.device = torch.device(device)
         self.capacity = capacity
         self.mask_dtype = mask_dtype  # None: boolean mask (sdpa); a float dtype: additive mask (eager)
@@ -108,7 +134,8 @@ class SlotCache:
 
         groups, positions: [B, T] (group PADDING for padding tokens); lower_upto: [B, T] or None, the
         position up to which a query also reads the pending entries of lower groups (-1: none). Returns
-        [B, 1, T, used + T], or None when every query may see every key.
+        [B, 1, T, used + T], None when every query may see every key, or (layers of several kinds) a dict
+        {layer type: mask}.
         """
         width = groups.shape[1]
         self._make_room(width)
@@ -125,10 +152,11 @@ class SlotCache:
         self.used += self._pending_width
         self._pending_width = 0
 
-    def _attention_mask(self, groups: torch.Tensor, lower_upto: torch.Tensor | None) -> torch.Tensor | None:
+    def _attention_mask(self, groups: torch.Tensor, lower_upto: torch.Tensor | None):
         width = groups.shape[1]
         total = self.used + width
-        if width == 1 and bool((self.owner[:, :self.used] == CONTEXT).all()):
+        windowed = any(w is not None for w in self.windows.values())
+        if width == 1 and not windowed and bool((self.owner[:, :self.used] == CONTEXT).all()):
             return None  # one new token per row over a hole-free context: plain attention (the AR fast path)
         owner = self.owner[:, None, :total]  # [B, 1, L]
         key_col = torch.arange(total, device=self.device)  # [L]
@@ -139,6 +167,13 @@ class SlotCache:
         if lower_upto is not None:
             lower = (owner >= 0) & (owner < query_group) & (self.pos[:, None, :total] <= lower_upto[:, :, None])
             visible |= lower & earlier
+        distance = self.pos[:, self.used:total, None] - self.pos[:, None, :total]  # [B, T, L] query - key position
+        masks = {kind: self._as_mask(visible if window is None else visible & (distance < window))
+                 for kind, window in self.windows.items()}
+        return next(iter(masks.values())) if len(masks) == 1 else masks
+
+    def _as_mask(self, visible: torch.Tensor) -> torch.Tensor:
+        """[B, T, L] visibility -> the [B, 1, T, L] mask the attention implementation takes."""
         visible = visible[:, None]  # [B, 1, T, L]
         if self.mask_dtype is None:
             return visible

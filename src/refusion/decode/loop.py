@@ -16,7 +16,7 @@ from collections.abc import Sequence as SequenceABC
 import torch
 
 from refusion.config import DecodeConfig
-from refusion.decode.cache import PADDING, SlotCache
+from refusion.decode.cache import PADDING, SlotCache, attention_windows
 from refusion.decode.outputs import BatchStats, GenerationOutput, GenerationStats, RoundTrace
 from refusion.decode.program import Forward, Sequence
 from refusion.model.special_tokens import SpecialTokens, special_tokens_of
@@ -34,7 +34,8 @@ class Decoder:
                              "load the model with attn_implementation='sdpa' (or 'eager')")
         mask_dtype = None if attn == "sdpa" else model.dtype
         text_config = model.config.get_text_config()
-        self.cache = SlotCache(text_config.num_hidden_layers, self.device, capacity, mask_dtype)
+        self.cache = SlotCache(text_config.num_hidden_layers, self.device, capacity, mask_dtype,
+                               attention_windows(text_config))
         self.live: dict[int, tuple[Sequence, Forward]] = {}
         self.stats = BatchStats()
         self._next_id = 0

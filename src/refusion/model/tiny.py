@@ -12,10 +12,11 @@ TINY_EOS_ID = 2
 
 def tiny_model(arch: str = "qwen3", *, vocab_size: int = TINY_VOCAB, hidden_size: int = 32, layers: int = 2,
                heads: int = 4, kv_heads: int = 2, max_positions: int = 1024, seed: int = 0,
-               dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"):
+               dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa", **config_overrides):
     """A randomly initialised `arch` model ("qwen3", "llama", "qwen2", "mistral") with a mask token.
 
-    The mask token is the last vocabulary id and EOS is id 2, both stored in the config.
+    The mask token is the last vocabulary id and EOS is id 2, both stored in the config. `config_overrides`
+    are passed to the config (e.g. ``sliding_window=4``).
     """
     model_type = {"qwen3": "qwen3", "llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}[arch]
     extra = {"head_dim": hidden_size // heads} if model_type == "qwen3" else {}
@@ -23,7 +24,7 @@ def tiny_model(arch: str = "qwen3", *, vocab_size: int = TINY_VOCAB, hidden_size
         model_type, vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         max_position_embeddings=max_positions, tie_word_embeddings=False, eos_token_id=TINY_EOS_ID,
-        bos_token_id=1, pad_token_id=0, **extra,
+        bos_token_id=1, pad_token_id=0, **(extra | config_overrides),
     )
     config.mask_token_id = vocab_size - 1
     torch.manual_seed(seed)
