@@ -47,6 +47,23 @@ def test_autoregressive_trace(main, model_dir, tmp_path):
     assert main(["trace", str(trace), "--gif", str(tmp_path / "ar.gif")]) == 0
 
 
+def test_speculative_trace(main, model_dir, tmp_path, capsys):
+    trace = tmp_path / "spec.json"
+    assert main(["generate", "hi", "2+2=", "--model", model_dir, "--max-new-tokens", "8", "--strategy", "speculative",
+                 "--draft-length", "3", "--no-chat", "--trace", str(trace), "--show"]) == 0
+    err = capsys.readouterr().err  # the live view
+    assert "speculative (exact)" in err and "forwards prefill 1" in err
+    data = json.loads(trace.read_text())
+    assert data["version"] == 2
+    seq = data["sequences"][0]
+    assert all(r["how"] == "speculative" for r in seq["rounds"]) and seq["rounds"][0]["phase_forwards"]["prefill"] == 1
+    html, gif = tmp_path / "spec.html", tmp_path / "spec.gif"
+    assert main(["trace", str(trace), "--html", str(html), "--gif", str(gif), "--frame-ms", "50"]) == 0
+    assert "speculative (exact)" in html.read_text() and gif.stat().st_size > 0
+    assert main(["trace", str(trace)]) == 0
+    assert "forwards prefill 1" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("content,argv,words", [
     ('{"format": "refusion-trace", "version": 1, "settings": {"slot_si', [], "is truncated"),
     ('{"format": "other"}', [], "not a refusion trace"),

@@ -12,7 +12,8 @@ from refusion.viz.replay import frames
 
 def states(frame) -> str:
     return "".join({"hidden": "h", "masked": "m", "dropped": "x", "fast_accept": "f",
-                    "parallel_completion": "p", "autoregressive": "a"}[c.state] for c in frame.cells)
+                    "parallel_completion": "p", "speculative": "s", "autoregressive": "a"}[c.state]
+                   for c in frame.cells)
 
 
 def test_replay_frames(trace_doc, ar_doc):
@@ -90,3 +91,50 @@ def test_terminal_summary_and_live_view(trace_doc):
         view.finish(SimpleNamespace(stats=SimpleNamespace(per_sequence=[stats])))
     text = buffer.getvalue()
     assert "abcdefgh" in text and "tokens 8 · rounds 2 · forwards 6" in text and "hey" in text
+
+
+def test_speculative_frames_and_round_lines(speculative_doc):
+    from refusion.viz.replay import describe_round
+
+    seq = speculative_doc.sequences[0]
+    got = frames(seq, speculative_doc.settings)
+    assert [states(f) for f in got] == ["sssmhhh", "ssssmmm", "sssssxx"]  # no blocks: the canvas grows as drafted
+    assert got[0].planned[3] == (1, "x", None) and got[0].cells[1].draft == "b"  # an accepted draft
+    assert [f.forwards for f in got] == [2, 3, 3]
+    lines = [describe_round(seq, r, 3) for r in seq.rounds]
+    assert lines[0] == ("round 1/3 · speculative (exact) · accepted 2/3 drafts · committed 3 tokens · "
+                        "2 fwd (prefill 1 + verify 1)")
+    assert lines[2].endswith("committed 1 token · 0 fwd · EOS")
+
+
+def test_summary_says_where_the_forwards_go(trace_doc, speculative_doc):
+    from refusion.viz.replay import describe_round, summary_parts
+    from refusion.viz.terminal import print_trace
+
+    seq = trace_doc.sequences[0]
+    assert [text for text, _ in summary_parts(seq)] == [
+        "forwards plan 2 + verify 3 + complete 6", "fused plans 1", "fast accept 1 rounds / 4 tokens",
+        "parallel completion 2 rounds / 8 tokens"]
+    assert describe_round(seq, seq.rounds[2]).endswith("5 fwd (plan fused + verify 1 + complete 4) · EOS")
+    spec = [text for text, _ in summary_parts(speculative_doc.sequences[0])]
+    assert spec == ["forwards prefill 1 + verify 2", "speculative (exact) 3 rounds / 5 tokens",
+                    "drafts accepted 2/6 (33%)"]
+
+    buffer = io.StringIO()
+    print_trace(speculative_doc, Console(file=buffer, width=200))
+    text = buffer.getvalue()
+    assert "forwards prefill 1 + verify 2" in text and "drafts accepted 2/6 (33%)" in text
+    assert "@1 accepted 2/3" in text and "strategy speculative · draft 3" in text
+
+    from refusion.viz.html import page_data
+    data = page_data(speculative_doc)
+    assert data["sequences"][0]["summary"] == spec and data["labels"]["speculative"] == "speculative (exact)"
+    assert [f["states"] for f in data["sequences"][0]["frames"]] == ["sssmhhh", "ssssmmm", "sssssxx"]
+
+
+def test_speculative_gif(tmp_path, speculative_doc):
+    from refusion.viz.gif import COLOURS, render_frames
+
+    images = render_frames(speculative_doc)
+    assert len(images) == 3
+    assert _has_colour(images[0], COLOURS["speculative"][1]) and _has_colour(images[2], COLOURS["speculative"][0])

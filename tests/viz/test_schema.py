@@ -7,13 +7,30 @@ import pytest
 from refusion.viz.schema import FORMAT, VERSION, load_trace, save_trace
 
 
-def test_round_trip(tmp_path, trace_doc, ar_doc):
-    for doc in (trace_doc, ar_doc):
+def test_round_trip(tmp_path, trace_doc, ar_doc, speculative_doc):
+    for doc in (trace_doc, ar_doc, speculative_doc):
         path = save_trace(doc, tmp_path / "t.json")
         data = json.loads(path.read_text())
         assert (data["format"], data["version"]) == (FORMAT, VERSION)
         assert load_trace(path) == doc
     assert [p.name for p in tmp_path.iterdir()] == ["t.json"]  # no temporary file left
+
+
+def test_version_1_files_still_read(tmp_path, trace_doc):
+    """Version 1 had no per-round accounting: those fields read as empty / false / 0."""
+    data = trace_doc.to_dict()
+    data["version"] = 1
+    for seq in data["sequences"]:
+        for rnd in seq["rounds"]:
+            for name in ("phase_forwards", "fused_plan", "drafted", "accepted"):
+                del rnd[name]
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps(data))
+    doc = load_trace(path)
+    assert doc.version == 1
+    rnd = doc.sequences[0].rounds[2]
+    assert (rnd.phase_forwards, rnd.fused_plan, rnd.drafted, rnd.accepted) == ({}, False, 0, 0)
+    assert [r.committed for r in doc.sequences[0].rounds] == [r.committed for r in trace_doc.sequences[0].rounds]
 
 
 def _corrupt(data: dict, how: str):
@@ -33,6 +50,10 @@ def _corrupt(data: dict, how: str):
         del data["sequences"][0]["rounds"]
     elif how == "empty":
         data["sequences"] = []
+    elif how == "phase":
+        data["sequences"][0]["rounds"][1]["phase_forwards"] = {"guess": 1}
+    elif how == "accepted":
+        data["sequences"][0]["rounds"][0]["accepted"] = 2
     return data
 
 
@@ -45,6 +66,8 @@ def _corrupt(data: dict, how: str):
     ("texts", "sequences[1].rounds[0].planned[0].texts must be one string per token"),
     ("missing", "sequences[0].rounds is missing"),
     ("empty", "sequences is empty"),
+    ("phase", "sequences[0].rounds[1].phase_forwards['guess'] must be a count"),
+    ("accepted", "sequences[0].rounds[0]: accepted 2 drafts of 0"),
 ])
 def test_bad_fields_are_named(tmp_path, trace_doc, how, words):
     path = tmp_path / "t.json"
@@ -79,7 +102,7 @@ def test_build_trace_from_the_engine():
     model, tokenizer = tiny_model(), tiny_tokenizer()
     prompts = ["hi", "2+2="]
     ids = refusion.encode_prompts(tokenizer, prompts, chat=False)
-    for strategy in ("refusion", "autoregressive"):
+    for strategy in ("refusion", "speculative", "autoregressive"):
         cfg = refusion.DecodeConfig(max_new_tokens=8, slot_size=4, block_size=8, slot_threshold=0.5,
                                     token_threshold=0.3, strategy=strategy)
         out = refusion.generate(model, ids, cfg, trace=True)
@@ -90,6 +113,18 @@ def test_build_trace_from_the_engine():
             assert len(seq.rounds) == len(rounds) == seq.stats["rounds"]
             committed = [t for r in seq.rounds for s in r.committed for t in s.texts]
             assert "".join(sorted(committed)) == "".join(sorted(tokenizer.decode([t]) for t in tokens))
+        for seq, stats in zip(doc.sequences, out.stats.per_sequence, strict=True):
+            assert sum(r.forwards for r in seq.rounds) == stats.forwards  # every forward is in some round
+            totals = {}
+            for r in seq.rounds:
+                assert sum(r.phase_forwards.values()) == r.forwards
+                for phase, n in r.phase_forwards.items():
+                    totals[phase] = totals.get(phase, 0) + n
+            assert {k: v for k, v in totals.items() if v} == {k: v for k, v in stats.phase_forwards.items() if v}
+            assert sum(r.drafted for r in seq.rounds) == stats.drafted
         if strategy == "autoregressive":
             assert all(r.how == "autoregressive" and len(r.committed[0].tokens) == 1 for r in doc.sequences[0].rounds)
+        if strategy == "speculative":
+            assert all(r.how == "speculative" for r in doc.sequences[0].rounds)
+            assert out.sequences == refusion.generate(model, ids, cfg.replace(strategy="autoregressive")).sequences
     assert isinstance(out.traces[0][0].committed[0], SlotEvent)

@@ -3,7 +3,8 @@
 Each response position is a box sized by its final text, so the layout does not move between frames:
 grey boxes are masked positions, yellow ones the drafts of slots the plan selected but sent back, green
 and blue the slots fast-accepted and completed in parallel (bright in the round that commits them, pale
-afterwards), orange the tokens of the autoregressive baseline.
+afterwards), purple the tokens of the exact speculative mode, orange those of the autoregressive baseline.
+The last frame ends with the summary: forwards per phase, tokens per kind of round, drafts accepted.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from refusion.viz.replay import (
     DROPPED,
     HIDDEN,
     HOW_LABELS,
+    LEFT_TO_RIGHT,
     MASKED,
     Frame,
     describe_round,
     display_text,
     frames,
+    summary_parts,
 )
 from refusion.viz.schema import SequenceTrace, TraceDocument, check_writable
 from refusion.viz.terminal import settings_line
@@ -30,6 +33,7 @@ from refusion.viz.terminal import settings_line
 COLOURS = {
     "fast_accept": ((208, 243, 208), (40, 170, 40), (255, 255, 255)),
     "parallel_completion": ((212, 228, 255), (31, 105, 215), (255, 255, 255)),
+    "speculative": ((234, 220, 250), (138, 63, 209), (255, 255, 255)),
     "autoregressive": ((255, 228, 194), (230, 130, 0), (255, 255, 255)),
 }
 BACKGROUND, INK, GREY_INK, PROMPT_INK = (255, 255, 255), (30, 30, 30), (110, 110, 110), (0, 90, 180)
@@ -118,7 +122,7 @@ class _Painter:
     def _layout(self, seq: SequenceTrace, seq_frames: list[Frame]) -> tuple[list[tuple[int, int, int]], int]:
         """Per position (x, line, box width), and the number of lines."""
         st = self.style
-        k = 1 if all(r.how == "autoregressive" for r in seq.rounds) else self.doc.slot_size
+        k = 1 if all(r.how in LEFT_TO_RIGHT for r in seq.rounds) else self.doc.slot_size
         final = seq_frames[-1].cells if seq_frames else []
         min_width = int(self.font.getlength("M"))
         x, line, boxes = st.margin, 0, []
@@ -141,7 +145,8 @@ class _Painter:
     def _total_height(self) -> int:
         st = self.style
         body = sum(self._block_height(lines) for _, lines in self.layouts)
-        return st.margin + st.line_height + body + 2 * st.line_height
+        summary = len(self.sequences)  # one summary line per sequence
+        return st.margin + st.line_height + body + (2 + summary) * st.line_height  # legend, stats, summaries
 
     def draw(self, step: int):
         from PIL import Image, ImageDraw
@@ -169,6 +174,8 @@ class _Painter:
         self._legend(draw, y)
         if last:
             self._line(draw, y + st.line_height, self._stats(), INK, self.small)
+            for i, text in enumerate(self._summaries()):
+                self._line(draw, y + (2 + i) * st.line_height, text, GREY_INK, self.small)
         return image
 
     def _canvas(self, draw, frame: Frame, boxes, top: int) -> None:
@@ -230,6 +237,12 @@ class _Painter:
             parts.append(f"{prefix}{tokens} tokens, {len(seq.rounds)} rounds, {forwards} fwd, "
                          f"{tokens / forwards if forwards else 0:.2f} tok/fwd")
         return " · ".join(parts)
+
+    def _summaries(self) -> list[str]:
+        """Per sequence: forwards per phase, tokens per kind of round, drafts accepted."""
+        prefix = len(self.sequences) > 1
+        return [(f"[{seq.index}] " if prefix else "") + " · ".join(text for text, _ in summary_parts(seq))
+                for seq in self.sequences]
 
 
 def render_frames(doc: TraceDocument, sequences: list[int] | None = None, *, width: int = 960,

@@ -11,11 +11,11 @@ import json
 import os
 from pathlib import Path
 
-from refusion.viz.replay import HOW_LABELS, describe_round, frames, round_counts
+from refusion.viz.replay import HOW_LABELS, describe_round, frames, round_counts, summary_parts
 from refusion.viz.schema import TraceDocument, check_writable
 
 STATE_CODES = {"hidden": "h", "masked": "m", "dropped": "x", "fast_accept": "f", "parallel_completion": "p",
-               "autoregressive": "a"}
+               "speculative": "s", "autoregressive": "a"}
 
 
 def page_data(doc: TraceDocument, sequences: list[int] | None = None) -> dict:
@@ -28,6 +28,7 @@ def page_data(doc: TraceDocument, sequences: list[int] | None = None) -> dict:
         out.append({
             "index": seq.index, "prompt": seq.prompt, "response": seq.response, "prompt_length": seq.prompt_length,
             "finish_reason": seq.finish_reason, "stats": seq.stats, "counts": round_counts(seq),
+            "summary": [text for text, _ in summary_parts(seq)],
             "cells": [{"text": c.text, "round": c.round, "slot": c.slot, "score": c.score, "draft": c.draft,
                        "how": c.state if c.state in HOW_LABELS else None} for c in final],
             "frames": [{"line": describe_round(seq, f.round, len(seq_frames)), "how": f.round.how,
@@ -87,7 +88,7 @@ PAGE = """<!DOCTYPE html>
   <div id="info">hover a slot for its plan score, drafts and round</div>
   <div id="legend">
     <span class="cell st-f now">fast accept</span> <span class="cell st-p now">parallel completion</span>
-    <span class="cell st-a now">autoregressive</span> <span class="cell st-m planned">draft sent back</span>
+    <span class="cell st-s now">speculative (exact)</span> <span class="cell st-a now">autoregressive</span> <span class="cell st-m planned">draft sent back</span>
     <span class="cell st-m">&#xB7;&#xB7;&#xB7; masked</span> <span class="cell st-x">dropped after EOS</span>
     <span class="hint">bright: committed this round; pale: earlier rounds</span>
   </div>
@@ -115,6 +116,7 @@ nav input[type=range] { flex: 1; min-width: 10em; }
 .st-x { color: #ccc; background: repeating-linear-gradient(45deg, #f3f3f3, #f3f3f3 3px, #fff 3px, #fff 6px); }
 .st-f { background: #d5f5d5; } .st-f.now { background: #2eb82e; color: #fff; }
 .st-p { background: #d6e6ff; } .st-p.now { background: #1f6fe0; color: #fff; }
+.st-s { background: #eadcfa; } .st-s.now { background: #8a3fd1; color: #fff; }
 .st-a { background: #ffe6c7; } .st-a.now { background: #f08c00; color: #fff; }
 .planned { color: #a07800; background: #fff4b8; font-style: italic; }
 .hover { outline: 2px solid #e0409a; }
@@ -153,7 +155,7 @@ SCRIPT = r"""
       const [slot, draft, score] = f.planned[i];
       lines.push("slot @" + slot + " planned this round, score " + fmt(score) + ", draft \"" + showText(draft) +
                  "\": not accepted, masked again");
-    } else if (st === "f" || st === "p" || st === "a") {
+    } else if ("fpsa".includes(st)) {
       lines.push("\"" + showText(c.text) + "\" committed in round " + (c.round + 1) + " by " + data.labels[c.how] +
                  (c.slot !== null ? ", slot @" + c.slot : "") + (c.score !== null ? ", plan score " + fmt(c.score) : "") +
                  (c.draft !== null && c.draft !== undefined && c.draft !== c.text ? ", drafted as \"" + showText(c.draft) + "\"" : ""));
@@ -168,7 +170,7 @@ SCRIPT = r"""
   function slotOf(q, f, i) {
     if (f.planned[i] && f.states[i] === "m") return "p" + f.planned[i][0];
     const c = q.cells[i];
-    return "fpa".includes(f.states[i]) && c.slot !== null ? "c" + c.slot + "r" + c.round : "i" + i;
+    return "fpsa".includes(f.states[i]) && c.slot !== null ? "c" + c.slot + "r" + c.round : "i" + i;
   }
 
   function render() {
@@ -207,10 +209,9 @@ SCRIPT = r"""
       canvas.appendChild(span);
       if (c.text.includes("\n") && st !== "m" && st !== "x") canvas.appendChild(document.createElement("br"));
     }
-    const st = q.stats, counts = Object.entries(q.counts).filter(([, v]) => v.rounds)
-      .map(([h, v]) => data.labels[h] + " " + v.rounds + " rounds / " + v.tokens + " tokens");
+    const st = q.stats;
     $("stats").textContent = frameIndex === n - 1 ? ["tokens " + st.tokens, "rounds " + n, "forwards " + st.forwards,
-      "tokens/forward " + fmt(st.tokens_per_forward), ...counts, (st.seconds || 0).toFixed(2) + " s",
+      "tokens/forward " + fmt(st.tokens_per_forward), ...q.summary, (st.seconds || 0).toFixed(2) + " s",
       q.finish_reason].join(" \u00B7 ") : "";
     document.querySelectorAll("#rounds tbody tr").forEach((tr, j) => tr.classList.toggle("current", j === frameIndex));
   }

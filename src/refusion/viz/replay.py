@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from refusion.viz.schema import HOWS, RoundRecord, SequenceTrace
+from refusion.viz.schema import HOWS, PHASES, RoundRecord, SequenceTrace
 
 MASKED, HIDDEN, DROPPED = "masked", "hidden", "dropped"
 HOW_LABELS = {"fast_accept": "fast accept", "parallel_completion": "parallel completion",
-              "autoregressive": "autoregressive"}
+              "speculative": "speculative (exact)", "autoregressive": "autoregressive"}
+LEFT_TO_RIGHT = ("speculative", "autoregressive")
+"""Round kinds that commit from left to right, without blocks or slots."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ def layout_length(seq: SequenceTrace, block_size: int) -> int:
 
 def _visible_end(seq: SequenceTrace, rnd: RoundRecord, block_size: int) -> int:
     ends = [s.start + len(s.tokens) - seq.prompt_length for s in rnd.committed + rnd.planned]
-    if rnd.how != "autoregressive":
+    if rnd.how not in LEFT_TO_RIGHT:
         ends.append((rnd.block + 1) * block_size)
     return min(max(ends, default=0), seq.canvas_length)
 
@@ -126,15 +128,69 @@ def round_counts(seq: SequenceTrace) -> dict[str, dict[str, int]]:
     return counts
 
 
+def phase_text(phases: dict[str, int], fused_plan: bool = False) -> str:
+    """Forwards per phase in the order of schema.PHASES: "plan 1 + verify 1 + complete 4" ("plan fused" when
+    the plan rode on the previous forward); "" when nothing is known (a version-1 trace)."""
+    parts = [f"{phase} {phases[phase]}" for phase in PHASES if phases.get(phase)]
+    parts += [f"{phase} {n}" for phase, n in phases.items() if phase not in PHASES and n]
+    if fused_plan and not phases.get("plan"):
+        parts.insert(0, "plan fused")
+    return " + ".join(parts)
+
+
+def phase_totals(seq: SequenceTrace) -> dict[str, int]:
+    """Forwards per phase over the whole sequence (the stats' own count when the trace has it)."""
+    if seq.stats.get("phase_forwards"):
+        return dict(seq.stats["phase_forwards"])
+    totals: dict[str, int] = {}
+    for rnd in seq.rounds:
+        for phase, n in rnd.phase_forwards.items():
+            totals[phase] = totals.get(phase, 0) + n
+    return totals
+
+
+def draft_totals(seq: SequenceTrace) -> tuple[int, int]:
+    """(accepted, drafted) over the sequence's speculative rounds."""
+    return sum(r.accepted for r in seq.rounds), sum(r.drafted for r in seq.rounds)
+
+
+def summary_parts(seq: SequenceTrace) -> list[tuple[str, str | None]]:
+    """Where the forwards went and what each kind of round committed, as (phrase, round kind or None):
+    ("forwards plan 3 + verify 3 + complete 4", None), ("fused plans 2", None),
+    ("fast accept 1 rounds / 4 tokens", "fast_accept"), ..., ("drafts accepted 9/12 (75%)", None)."""
+    parts: list[tuple[str, str | None]] = []
+    phases = phase_text(phase_totals(seq))
+    if phases:
+        parts.append((f"forwards {phases}", None))
+    fused = sum(r.fused_plan for r in seq.rounds)
+    if fused:
+        parts.append((f"fused plans {fused}", None))
+    for how, c in round_counts(seq).items():
+        if c["rounds"]:
+            parts.append((f"{HOW_LABELS[how]} {c['rounds']} rounds / {c['tokens']} tokens", how))
+    accepted, drafted = draft_totals(seq)
+    if drafted:
+        parts.append((f"drafts accepted {accepted}/{drafted} ({100 * accepted / drafted:.0f}%)", None))
+    return parts
+
+
 def describe_round(seq: SequenceTrace, rnd: RoundRecord, total: int | None = None) -> str:
-    """One line: "round 3/9 · block 1 · parallel completion · planned @8 @12 · committed 8 tokens · 6 fwd"."""
+    """One line: "round 3/9 · block 1 · parallel completion · planned @8 @12 · committed 8 tokens ·
+    6 fwd (plan 1 + verify 1 + complete 4)"; a speculative round tells its drafts accepted."""
     p = seq.prompt_length
     planned = " ".join(f"@{s.start - p}" for s in rnd.planned)
-    tokens = sum(len(s.tokens) for s in rnd.committed)
-    parts = [f"round {rnd.index + 1}" + (f"/{total}" if total else ""), f"block {rnd.block}", HOW_LABELS[rnd.how]]
-    if planned:
+    tokens = rnd.tokens
+    parts = [f"round {rnd.index + 1}" + (f"/{total}" if total else "")]
+    if rnd.how not in LEFT_TO_RIGHT:
+        parts.append(f"block {rnd.block}")
+    parts.append(HOW_LABELS[rnd.how])
+    if rnd.how == "speculative":
+        if rnd.drafted:
+            parts.append(f"accepted {rnd.accepted}/{rnd.drafted} drafts")
+    elif planned:
         parts.append(f"planned {planned}")
-    parts += [f"committed {tokens} token{'s' * (tokens != 1)}", f"{rnd.forwards} fwd"]
+    phases = phase_text(rnd.phase_forwards, rnd.fused_plan)
+    parts += [f"committed {tokens} token{'s' * (tokens != 1)}", f"{rnd.forwards} fwd" + (f" ({phases})" if phases else "")]
     if rnd.finished:
         parts.append("EOS")
     return " · ".join(parts)

@@ -8,8 +8,13 @@ A trace file is one JSON object (docs/VISUALIZATION.md has the full schema):
 
 Each round holds the slots the plan step selected (drafts and scores) and the slots it committed, with
 absolute positions (prompt length + offset in the response) and the text of every token, so renderers
-need neither model nor tokenizer. `load_trace` checks every field and raises ValueError naming the
-first problem (truncated file, wrong format, newer version, bad field).
+need neither model nor tokenizer. Each round also says where its forwards went (`phase_forwards`,
+`fused_plan`) and, for the speculative strategy, how many drafts were verified and accepted. `load_trace`
+checks every field and raises ValueError naming the first problem (truncated file, wrong format, newer
+version, bad field).
+
+Versions: 1 (no per-round accounting), 2 (adds `phase_forwards`, `fused_plan`, `drafted`, `accepted` to
+rounds and the "speculative" round kind). A version-1 file reads with those fields empty / false / 0.
 """
 
 from __future__ import annotations
@@ -22,8 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 FORMAT = "refusion-trace"
-VERSION = 1
-HOWS = ("fast_accept", "parallel_completion", "autoregressive")
+VERSION = 2
+HOWS = ("fast_accept", "parallel_completion", "speculative", "autoregressive")
+"""Kinds of round: ReFusion's fast accept and parallel completion, the exact speculative mode, AR decoding."""
+PHASES = ("prefill", "plan", "verify", "complete", "decode")
+"""Where a forward can go (RoundTrace.phase_forwards), in the order views list them."""
 
 
 @dataclass
@@ -42,14 +50,15 @@ class SlotRecord:
 
 @dataclass
 class RoundRecord:
-    """One round of decoding (docs/DECODING.md); for the AR strategy, one token."""
+    """One round of decoding (docs/DECODING.md); for the AR strategy, one token; for the speculative
+    strategy, one verify forward (its drafts are `planned`, the tokens it accepted `committed`)."""
 
     index: int
     """Round number, from 0."""
     block: int
     """Block being decoded."""
     how: str
-    """"fast_accept", "parallel_completion" or "autoregressive"."""
+    """"fast_accept", "parallel_completion", "speculative" or "autoregressive"."""
     forwards: int
     """Forward passes spent in the round (the first one includes the prompt)."""
     masked_slots: list[int]
@@ -60,6 +69,20 @@ class RoundRecord:
     """Slots committed in the round, in commit order (cut after EOS)."""
     finished: bool = False
     """Whether EOS was committed in this round."""
+    phase_forwards: dict[str, int] = field(default_factory=dict)
+    """Where the round's forwards went: "prefill", "plan", "verify", "complete", "decode" (version 2; empty in
+    version-1 files)."""
+    fused_plan: bool = False
+    """Whether the round's plan rode on the previous round's last forward (it cost no forward of its own)."""
+    drafted: int = 0
+    """speculative: drafted tokens verified in the round's forward."""
+    accepted: int = 0
+    """speculative: drafted tokens accepted (the round also commits the model's own next token)."""
+
+    @property
+    def tokens(self) -> int:
+        """Tokens committed in the round."""
+        return sum(len(s.tokens) for s in self.committed)
 
 
 @dataclass
@@ -128,7 +151,10 @@ def round_record(rnd, texts) -> RoundRecord:
         return [SlotRecord(int(e.start), list(e.tokens), texts(list(e.tokens)), e.score) for e in events]
 
     return RoundRecord(rnd.index, rnd.block, rnd.how, rnd.forwards, list(rnd.masked_slots),
-                       slots(rnd.planned), slots(rnd.committed), bool(rnd.finished))
+                       slots(rnd.planned), slots(rnd.committed), bool(rnd.finished),
+                       {k: int(v) for k, v in getattr(rnd, "phase_forwards", {}).items()},
+                       bool(getattr(rnd, "fused_plan", False)), int(getattr(rnd, "drafted", 0)),
+                       int(getattr(rnd, "accepted", 0)))
 
 
 def build_trace(output, tokenizer, prompts: list[str], input_ids: list[list[int]], cfg,
@@ -264,6 +290,21 @@ def _round(obj, where: str, seq: SequenceTrace) -> RoundRecord:
         committed=[_slot(s, f"{where}.committed[{i}]", seq)
                    for i, s in enumerate(_get(obj, "committed", list, where))],
         finished=_get(obj, "finished", bool, where))
+    # version 2: where the forwards went (absent from version-1 files: defaults)
+    phases = _get(obj, "phase_forwards", dict, where, optional=True) or {}
+    for phase, n in phases.items():
+        if phase not in PHASES or not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"{where}.phase_forwards[{phase!r}] must be a count >= 0 of one of "
+                             f"{', '.join(PHASES)}, got {json.dumps(n)[:40]}")
+    rnd.phase_forwards = dict(phases)
+    rnd.fused_plan = bool(_get(obj, "fused_plan", bool, where, optional=True))
+    for name in ("drafted", "accepted"):
+        value = _get(obj, name, int, where, optional=True) or 0
+        if value < 0:
+            raise ValueError(f"{where}.{name} must be >= 0, got {value}")
+        setattr(rnd, name, value)
+    if rnd.accepted > rnd.drafted:
+        raise ValueError(f"{where}: accepted {rnd.accepted} drafts of {rnd.drafted}")
     return rnd
 
 

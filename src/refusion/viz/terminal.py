@@ -8,8 +8,10 @@ Live, as the `on_round` callback of `refusion.generate`:
         view.finish(out)
 
 The response canvas fills in slot by slot: masked positions are dim dots, slots committed this round are
-highlighted (green: fast accept, blue: parallel completion, orange: autoregressive), slots the plan
-drafted but sent back show their draft in yellow. Stats follow at the end.
+highlighted (green: fast accept, blue: parallel completion, purple: speculative, orange: autoregressive),
+slots the plan drafted but sent back (speculative: drafts rejected) show their draft in yellow. Each round
+line says where its forwards went (plan / verify / complete); the stats at the end add them up, with the
+tokens each kind of round committed and the share of speculative drafts accepted.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from refusion.viz.replay import (
     describe_round,
     display_text,
     frames,
+    phase_text,
     round_counts,
+    summary_parts,
 )
 from refusion.viz.schema import SequenceTrace, TraceDocument, round_record, token_texts
 
@@ -40,6 +44,7 @@ from refusion.viz.schema import SequenceTrace, TraceDocument, round_record, toke
 STYLES = {
     "fast_accept": ("green3", "bold black on green3"),
     "parallel_completion": ("dodger_blue1", "bold white on dodger_blue2"),
+    "speculative": ("medium_purple1", "bold white on purple3"),
     "autoregressive": ("orange1", "bold black on orange1"),
 }
 MASK_STYLE, DRAFT_STYLE, DROPPED_STYLE = "grey42", "italic yellow", "grey27"
@@ -84,9 +89,8 @@ def stats_line(seq: SequenceTrace, stats: dict | None = None) -> Text:
     forwards = stats.get("forwards") or sum(r.forwards for r in seq.rounds)
     line = Text(f"tokens {tokens} · rounds {len(seq.rounds)} · forwards {forwards} · tokens/forward "
                 f"{tokens / forwards if forwards else 0:.2f}", "bold")
-    for how, c in counts.items():
-        if c["rounds"]:
-            line.append(f" · {HOW_LABELS[how]} {c['rounds']} rounds / {c['tokens']} tokens", STYLES[how][0])
+    for part, how in summary_parts(dataclasses.replace(seq, stats=stats)):
+        line.append(f" · {part}", STYLES[how][0] if how else "")
     if stats.get("seconds"):
         line.append(f" · {stats['seconds']:.2f} s")
     if stats.get("finish_reason"):
@@ -164,16 +168,19 @@ def rounds_table(seq: SequenceTrace) -> Table:
     """One row per round: block, how, planned slots (offset:score), committed slots, forwards."""
     p = seq.prompt_length
     table = Table(show_edge=False, pad_edge=False, box=None, header_style="bold")
-    for name in ("round", "block", "how", "planned @offset:score", "committed", "fwd"):
+    for name in ("round", "block", "how", "planned @offset:score", "committed", "fwd", "forwards by phase"):
         table.add_column(name, justify="right" if name in ("round", "block", "fwd") else "left")
     for rnd in seq.rounds:
         planned = " ".join(f"@{s.start - p}:{s.score:.2f}" if s.score is not None else f"@{s.start - p}"
                            for s in rnd.planned)
+        if rnd.how == "speculative" and rnd.drafted:
+            planned = f"@{rnd.planned[0].start - p} accepted {rnd.accepted}/{rnd.drafted}" if rnd.planned else ""
         committed = Text()
         for s in rnd.committed:
             committed.append(f"@{s.start - p} ", "grey62")
             committed.append("".join(display_text(t) for t in s.texts) + " ", STYLES[rnd.how][0])
-        table.add_row(str(rnd.index), str(rnd.block), HOW_LABELS[rnd.how], planned, committed, str(rnd.forwards))
+        table.add_row(str(rnd.index), str(rnd.block), HOW_LABELS[rnd.how], planned, committed, str(rnd.forwards),
+                      phase_text(rnd.phase_forwards, rnd.fused_plan))
     return table
 
 
@@ -216,4 +223,9 @@ def play_trace(doc: TraceDocument, console: Console | None = None, *, delay: flo
 def settings_line(settings: dict) -> str:
     keys = [("strategy", "strategy"), ("slot_size", "k"), ("block_size", "b"), ("slot_threshold", "τ_slot"),
             ("token_threshold", "τ_token"), ("temperature", "T"), ("max_new_tokens", "max_new_tokens")]
+    if settings.get("strategy") == "speculative":
+        keys = [("strategy", "strategy"), ("draft_length", "draft"), ("predraft", "predraft"),
+                ("temperature", "T"), ("max_new_tokens", "max_new_tokens")]
+    elif "fused_plan" in settings:
+        keys.append(("fused_plan", "fused plan"))
     return " · ".join(f"{label} {settings[key]}" for key, label in keys if key in settings)
