@@ -1,0 +1,288 @@
+"""SlotCache on small hand-built cases: rows, forwards, who sees whom, commit / retain / discard, compaction,
+growth and the invariant. KV entries are fake: key = (position, group it was written by), value = -key, so
+that we can check they move with their metadata."""
+
+import pytest
+import torch
+
+from refusion.decode.cache import CONTEXT, EMPTY, PADDING, SlotCache
+
+P = PADDING
+
+
+def make_cache(n_sequences: int = 1, capacity: int = 16, layers: int = 2, **kwargs) -> SlotCache:
+    cache = SlotCache(layers, "cpu", capacity=capacity, **kwargs)
+    for s in range(n_sequences):
+        cache.add_sequence(s)
+    return cache
+
+
+def forward(cache: SlotCache, groups, positions, lower_upto=None):
+    """One forward: reserve columns, write fake KV on every layer, account. Returns the mask."""
+    groups, positions = torch.tensor(groups), torch.tensor(positions)  # [B, T]
+    lower = None if lower_upto is None else torch.tensor(lower_upto)
+    mask = cache.begin_forward(groups, positions, lower)
+    key = torch.stack([positions, groups], -1)[:, None].float()  # [B, 1, T, 2]
+    for layer in cache.hf.layers:
+        keys, values = layer.update(key, -key, 0)
+        assert keys.shape[2] == cache.used + groups.shape[1]  # the layer sees every column written so far
+    cache.end_forward()
+    return mask
+
+
+def seen(mask, row: int = 0) -> list[list[int]]:
+    """[T, L] 0/1 visibility of one row."""
+    return mask[row, 0].long().tolist()
+
+
+def live(cache: SlotCache, row: int = 0) -> list[tuple[int, int]]:
+    """(owner, position) of each live column of a row, in column order."""
+    return [(int(o), int(p)) for o, p in zip(cache.owner[row, :cache.used], cache.pos[row, :cache.used]) if o != EMPTY]
+
+
+def assert_kv_follows_metadata(cache: SlotCache) -> None:
+    """Every live column still holds the KV written for its position (fake key[..., 0] = position)."""
+    for row in range(cache.batch_size):
+        for col in range(cache.used):
+            if cache.owner[row, col] != EMPTY:
+                for keys, values in zip(cache.keys, cache.values):
+                    assert keys[row, 0, col, 0] == cache.pos[row, col]
+                    assert torch.equal(values[row, 0, col], -keys[row, 0, col])
+
+
+def prefill(cache: SlotCache, length: int, seq: int = 0) -> None:
+    """A one-row forward of `length` prompt tokens, committed."""
+    forward(cache, [[0] * length], [list(range(length))])
+    cache.commit(seq, torch.arange(length))
+
+
+# ------------------------------------------------------------------------------------------- rows
+def test_add_and_remove_sequences():
+    cache = make_cache(3)
+    assert cache.batch_size == 3 and cache.row_of == {0: 0, 1: 1, 2: 2}
+    forward(cache, [[0, 0], [0, 0], [0, 0]], [[0, 1], [5, 6], [7, 8]])
+    cache.remove_sequences([1])
+    assert cache.row_of == {0: 0, 2: 1} and cache.batch_size == 2
+    assert cache.pos[:, :2].tolist() == [[0, 1], [7, 8]]  # row 2's entries moved up with it
+    assert_kv_follows_metadata(cache)
+    cache.add_sequence(3)  # joins with an empty row
+    assert cache.row_of[3] == 2 and (cache.owner[2] == EMPTY).all()
+    assert cache.keys[0].shape[0] == 3
+    cache.remove_sequences([0, 2, 3])
+    assert cache.batch_size == 0 and cache.used == 0
+
+
+def test_a_sequence_gets_one_row():
+    cache = make_cache(1)
+    with pytest.raises(AssertionError):
+        cache.add_sequence(0)
+
+
+# ------------------------------------------------------------------------------------------- forwards
+def test_begin_forward_reserves_columns_and_end_forward_accounts_them():
+    cache = make_cache(2)
+    cache.begin_forward(torch.tensor([[P, 0], [0, 0]]), torch.tensor([[0, 0], [0, 1]]))
+    assert cache.used == 0  # nothing accounted while the forward is in flight
+    assert cache.owner[:, :2].tolist() == [[P, 0], [0, 0]]
+    for layer in cache.hf.layers:
+        layer.update(torch.zeros(2, 1, 2, 2), torch.zeros(2, 1, 2, 2), 0)
+    cache.end_forward()
+    assert cache.used == 2
+    assert cache.owner[:, :2].tolist() == [[EMPTY, 0], [0, 0]]  # padding columns become free
+
+
+def test_prefill_is_causal():
+    cache = make_cache(1)
+    mask = forward(cache, [[0, 0, 0]], [[0, 1, 2]])
+    assert seen(mask) == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+
+
+def test_context_is_visible_to_every_group_and_groups_never_see_each_other():
+    cache = make_cache(1)
+    prefill(cache, 2)
+    # groups 0 and 1 each write positions 2, 3 (two rows of parallel completion)
+    mask = forward(cache, [[0, 0, 1, 1]], [[2, 3, 2, 3]])
+    assert seen(mask) == [
+        [1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0],
+        [1, 1, 0, 0, 1, 1],
+    ]
+    # a later forward: each group sees its own pending entries from before, never the other's
+    mask = forward(cache, [[0, 1]], [[4, 4]])
+    assert seen(mask) == [
+        [1, 1, 1, 1, 0, 0, 1, 0],
+        [1, 1, 0, 0, 1, 1, 0, 1],
+    ]
+
+
+def test_padding_is_invisible():
+    cache = make_cache(2)
+    mask = forward(cache, [[P, 0, 0], [0, 0, 0]], [[0, 0, 1], [0, 1, 2]])
+    assert seen(mask, 0) == [[1, 0, 0], [0, 1, 0], [0, 1, 1]]  # padding sees itself only (no empty rows)
+    cache.commit(0, torch.arange(2))
+    cache.commit(1, torch.arange(3))
+    mask = forward(cache, [[0], [0]], [[2], [3]])
+    assert seen(mask, 0) == [[0, 1, 1, 1]]  # the old padding column stays invisible
+    assert seen(mask, 1) == [[1, 1, 1, 1]]
+
+
+def test_one_token_over_a_hole_free_context_needs_no_mask():
+    cache = make_cache(1)
+    prefill(cache, 3)
+    assert forward(cache, [[0]], [[3]]) is None
+
+
+def test_eager_attention_gets_an_additive_mask():
+    cache = make_cache(1, mask_dtype=torch.float32)
+    mask = forward(cache, [[0, 0]], [[0, 1]])
+    low = torch.finfo(torch.float32).min
+    assert mask[0, 0].tolist() == [[0.0, low], [0.0, 0.0]]
+
+
+def test_lower_upto_reads_lower_groups_up_to_a_position():
+    cache = make_cache(1)
+    prefill(cache, 1)
+    # group 0: a chain at positions 1, 2, 3; group 1: masks after position 2; group 2: masks after position 1
+    groups = [[0, 0, 0, 1, 1, 2]]
+    positions = [[1, 2, 3, 3, 4, 2]]
+    lower_upto = [[-1, -1, -1, 2, 2, 1]]
+    mask = forward(cache, groups, positions, lower_upto)
+    assert seen(mask) == [
+        [1, 1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 1, 0, 0],  # group 1 reads group 0 at positions <= 2, not position 3
+        [1, 1, 1, 0, 1, 1, 0],
+        [1, 1, 0, 0, 0, 0, 1],  # group 2 reads group 0 up to position 1 only, and never the higher group 1
+    ]
+
+
+def test_lower_upto_never_reads_higher_groups():
+    cache = make_cache(1)
+    prefill(cache, 1)
+    forward(cache, [[1, 1]], [[1, 2]])  # pending entries of group 1
+    mask = forward(cache, [[0, 2]], [[3, 3]], [[9, 9]])
+    assert seen(mask) == [
+        [1, 0, 0, 1, 0],  # group 0 reads nothing of group 1, whatever its lower_upto
+        [1, 1, 1, 1, 1],  # group 2 reads every lower group: group 1's earlier entries, group 0's new token
+    ]
+
+
+# ------------------------------------------------------------------------------------------- pending entries
+def test_commit_makes_the_chosen_entries_context_and_drops_the_rest():
+    cache = make_cache(1)
+    prefill(cache, 2)
+    forward(cache, [[0, 0, 0]], [[2, 3, 4]])
+    cache.commit(0, torch.tensor([2, 3]))
+    assert live(cache) == [(CONTEXT, 0), (CONTEXT, 1), (CONTEXT, 2), (CONTEXT, 3)]
+    assert cache.committed[0] == 4
+
+
+def test_commit_picks_one_group_when_two_hold_a_position():
+    cache = make_cache(1)
+    prefill(cache, 1)
+    forward(cache, [[0, 0, 1, 1]], [[1, 2, 1, 2]])
+    with pytest.raises(RuntimeError, match="invariant"):
+        cache.commit(0, torch.tensor([1, 2]))  # four entries hold positions 1, 2
+    cache = make_cache(1)
+    prefill(cache, 1)
+    forward(cache, [[0, 0, 1, 1]], [[1, 2, 1, 2]])
+    cache.commit(0, torch.tensor([1, 2]), group=1)
+    assert live(cache) == [(CONTEXT, 0), (CONTEXT, 1), (CONTEXT, 2)]
+    assert [int(cache.keys[0][0, 0, c, 1]) for c in range(cache.used) if cache.owner[0, c] == CONTEXT] == [0, 1, 1]
+
+
+def test_commit_of_a_missing_position_breaks_the_invariant():
+    cache = make_cache(1)
+    prefill(cache, 2)
+    forward(cache, [[0]], [[2]])
+    with pytest.raises(RuntimeError, match="committing 2 tokens, found 1"):
+        cache.commit(0, torch.tensor([2, 3]))
+
+
+def test_retain_keeps_some_pending_entries_and_discard_drops_all():
+    cache = make_cache(1)
+    prefill(cache, 1)
+    forward(cache, [[0, 0, 1, 1]], [[1, 2, 1, 2]])
+    cache.retain(0, torch.tensor([1]))
+    assert live(cache) == [(CONTEXT, 0), (0, 1), (1, 1)]  # position 1 kept in both groups
+    cache.retain(0, None)
+    assert live(cache) == [(CONTEXT, 0)]
+    forward(cache, [[0]], [[1]])
+    cache.discard(0)
+    assert live(cache) == [(CONTEXT, 0)] and cache.committed[0] == 1
+
+
+def test_pending_verbs_touch_only_their_own_row():
+    cache = make_cache(2)
+    forward(cache, [[0, 0], [0, 0]], [[0, 1], [0, 1]])
+    cache.commit(0, torch.tensor([0]))
+    cache.discard(1)
+    assert live(cache, 0) == [(CONTEXT, 0)] and live(cache, 1) == []
+
+
+# ------------------------------------------------------------------------------------------- space
+def test_compaction_moves_live_entries_to_the_front_with_their_kv():
+    cache = make_cache(2)
+    forward(cache, [[0, 0, 0, 0], [P, P, 0, 0]], [[0, 1, 2, 3], [0, 0, 0, 1]])
+    cache.commit(0, torch.tensor([0, 1, 2, 3]))
+    cache.commit(1, torch.tensor([0, 1]))
+    forward(cache, [[0, 0, 1], [0, 1, 1]], [[4, 5, 4], [2, 2, 3]])
+    cache.retain(0, torch.tensor([4]))  # drops (0, 5)
+    cache.retain(1, torch.tensor([2, 3]))
+    before = [live(cache, r) for r in range(2)]
+    cache.compact()
+    assert cache.used == 6  # row 0: 4 context + 2 pending
+    assert [live(cache, r) for r in range(2)] == before  # same entries, same order, holes gone
+    assert (cache.owner[0, :6] != EMPTY).all() and (cache.owner[1, 5:] == EMPTY).all()
+    assert_kv_follows_metadata(cache)
+    mask = forward(cache, [[1], [1]], [[5], [4]])  # visibility is unchanged by the move
+    assert seen(mask, 0) == [[1, 1, 1, 1, 0, 1, 1]]
+    assert seen(mask, 1) == [[1, 1, 0, 1, 1, 0, 1]]
+
+
+def test_a_full_buffer_is_compacted_before_it_grows():
+    cache = make_cache(1, capacity=6)
+    prefill(cache, 2)
+    forward(cache, [[0, 0, 0, 0]], [[2, 3, 4, 5]])
+    cache.discard(0)  # 4 dead columns: the next forward fits after compaction
+    forward(cache, [[0, 0, 0]], [[2, 3, 4]])
+    assert cache.capacity == 6 and cache.used == 5
+    assert live(cache) == [(CONTEXT, 0), (CONTEXT, 1), (0, 2), (0, 3), (0, 4)]
+    assert_kv_follows_metadata(cache)
+
+
+def test_growth_keeps_every_entry():
+    cache = make_cache(2, capacity=4)
+    prefill(cache, 3, seq=0)
+    cache.discard(1)
+    forward(cache, [[0, 0, 0], [0, 0, 0]], [[3, 4, 5], [0, 1, 2]])
+    assert cache.capacity == 6  # max(used + width, 1.5 * capacity)
+    assert cache.keys[0].shape[2] == cache.values[1].shape[2] == cache.owner.shape[1] == cache.pos.shape[1] == 6
+    assert live(cache, 0) == [(CONTEXT, 0), (CONTEXT, 1), (CONTEXT, 2), (0, 3), (0, 4), (0, 5)]
+    assert_kv_follows_metadata(cache)
+    cache.commit(0, torch.tensor([3, 4, 5]))
+    assert cache.committed[0] == 6
+
+
+# ------------------------------------------------------------------------------------------- invariant
+def test_check_compares_context_entries_with_committed_tokens():
+    cache = make_cache(1)
+    prefill(cache, 3)
+    cache.check(0)
+    cache.committed[0] += 1  # a token committed without its KV
+    with pytest.raises(RuntimeError, match="4 tokens"):
+        cache.check(0)
+
+
+def test_a_sliding_window_hides_keys_by_position_not_column():
+    cache = make_cache(1, windows={"sliding_attention": 2})
+    forward(cache, [[0, 0, 0, 0]], [[0, 1, 6, 7]])  # a prompt, then a slot committed ahead of the text between
+    cache.commit(0, torch.tensor([0, 1, 6, 7]))
+    mask = forward(cache, [[0, 0]], [[2, 3]])
+    assert seen(mask) == [
+        [0, 1, 1, 1, 1, 0],  # position 2 reads 1 (2 - 1 < 2), not 0; later positions are not windowed
+        [0, 0, 1, 1, 1, 1],
+    ]
+    assert forward(cache, [[0]], [[4]]) is not None  # windowed models always get a mask
