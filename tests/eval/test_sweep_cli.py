@@ -103,3 +103,30 @@ def test_help(cli, capsys):
             cli([command, "--help"])
         assert e.value.code == 0
     assert "--sweep" in capsys.readouterr().out
+
+
+def test_bench_sweeps_decode_modes_and_accounts_for_forwards(cli, tiny_dir, tmp_path, data_dir):
+    """strategy, fused_plan and draft_length are sweep axes; every row says where its forwards went."""
+    code = cli(["bench", "--task", "gsm8k", "--model", str(tiny_dir), "--limit", "1", "--max-new-tokens", "8",
+                "--slot-size", "4", "--block-size", "8", "--sweep", "strategy=refusion,speculative",
+                "--sweep", "fused_plan=true,false", "--sweep", "draft_length=2,4", "--no-progress",
+                "--output-dir", str(tmp_path), "--data-dir", str(data_dir)])
+    assert code == 0
+    doc = json.loads((tmp_path / "sweep.json").read_text())
+    assert len(doc["rows"]) == 8
+    for row in doc["rows"]:
+        config, point = row["config"], row["point"]
+        assert (config["strategy"], config["fused_plan"], config["draft_length"]) == (
+            point["strategy"], point["fused_plan"], point["draft_length"])
+        forwards = sum(row["phase_forwards"].values())
+        assert forwards >= 1 and sum(row["committed_by"].values()) == round(row["mean_generated_length"] * row["n"])
+        assert row["tokens_per_forward"] == pytest.approx(sum(row["committed_by"].values()) / forwards)
+        if point["strategy"] == "speculative":
+            assert set(row["committed_by"]) == {"speculative"} and "verify" in row["phase_forwards"]
+            assert row["drafted"] > 0 and row["draft_acceptance"] == pytest.approx(row["accepted"] / row["drafted"])
+        else:
+            assert set(row["committed_by"]) <= {"fast_accept", "parallel_completion"} and row["drafted"] == 0
+            assert row["draft_acceptance"] is None and "plan" in row["phase_forwards"]
+    assert set(doc["baseline"]["committed_by"]) == {"autoregressive"}
+    table = (tmp_path / "sweep.md").read_text()
+    assert "forwards by phase" in table and "verify" in table and "spec " in table and "%)" in table

@@ -6,7 +6,11 @@ One declared way of counting (docs/EVALUATION.md):
 - tokens_per_second: those tokens divided by the wall time of the `generate` calls (prefill included,
   scoring excluded), summed over batches and processes;
 - tokens_per_forward: tokens divided by the forward passes each sequence took part in (honest total ratio);
-- latency_seconds: mean time from the start of a sequence's batch until that sequence finished.
+- latency_seconds: mean time from the start of a sequence's batch until that sequence finished;
+- phase_forwards / committed_by: sums over the sequences of `SequenceStats.phase_forwards` (forwards spent
+  planning, verifying, completing, ...) and `SequenceStats.committed_by` (tokens per kind of round);
+  drafted / accepted / draft_acceptance: the speculative mode's drafts verified and accepted (acceptance
+  None when nothing was drafted).
 
 Under `accelerate launch` every process decodes an interleaved shard of the prompts; the records are
 gathered and scored once, so the numbers are those of the whole set.
@@ -150,6 +154,12 @@ class Record:
     forwards: int
     seconds: float
     finish_reason: str
+    phase_forwards: dict[str, int] = field(default_factory=dict)
+    """Forwards per phase ("plan", "verify", "complete", "prefill", "decode")."""
+    committed_by: dict[str, int] = field(default_factory=dict)
+    """Tokens per kind of round ("fast_accept", "parallel_completion", "speculative", "autoregressive")."""
+    drafted: int = 0
+    accepted: int = 0
 
 
 @dataclass
@@ -174,7 +184,9 @@ def decode_task(model, tokenizer, prompt_ids: list[list[int]], indices: list[int
         timing.batches += 1
         for j, (seq, stats) in enumerate(zip(out.sequences, out.stats.per_sequence, strict=True)):
             records.append(Record(indices[start + j], tokenizer.decode(seq, skip_special_tokens=True), len(seq),
-                                  stats.forwards, stats.seconds, stats.finish_reason))
+                                  stats.forwards, stats.seconds, stats.finish_reason,
+                                  dict(getattr(stats, "phase_forwards", {})), dict(getattr(stats, "committed_by", {})),
+                                  getattr(stats, "drafted", 0), getattr(stats, "accepted", 0)))
         if on_batch is not None:
             on_batch(len(batch))
     return records, timing
@@ -193,6 +205,7 @@ def summarize(examples: list[Example], records: list[Record], scores, timings: l
     gen_tokens = sum(t.tokens for t in timings)
     gen_seconds = sum(t.seconds for t in timings)
     correct = sum(bool(s.correct) for s in scores)
+    drafted, accepted = sum(r.drafted for r in records), sum(r.accepted for r in records)
     return {
         "accuracy": correct / n if n else 0.0,
         "correct": correct,
@@ -205,8 +218,22 @@ def summarize(examples: list[Example], records: list[Record], scores, timings: l
         "generation_seconds": gen_seconds,
         "wall_seconds": max((t.seconds for t in timings), default=0.0),
         "eos_rate": sum(r.finish_reason == "eos" for r in records) / n if n else 0.0,
+        "phase_forwards": _add_counts(r.phase_forwards for r in records),
+        "committed_by": _add_counts(r.committed_by for r in records),
+        "drafted": drafted,
+        "accepted": accepted,
+        "draft_acceptance": accepted / drafted if drafted else None,
         "config": cfg.to_dict(),
     }
+
+
+def _add_counts(counts) -> dict[str, int]:
+    """Key-wise sum of count dicts (keys in first-seen order, zero counts left out)."""
+    total: dict[str, int] = {}
+    for c in counts:
+        for key, n in c.items():
+            total[key] = total.get(key, 0) + n
+    return {k: n for k, n in total.items() if n}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -270,7 +297,8 @@ def _sample(task: str, strategy: str, example: Example, record: Record, score) -
             "response": record.response, "extracted": score.extracted, "correct": bool(score.correct),
             "reference": example.reference if not isinstance(example.reference, dict) or "tests" not in example.reference
             else None, "tokens": record.tokens, "forwards": record.forwards, "seconds": record.seconds,
-            "finish_reason": record.finish_reason, **({"execution": score.detail} if score.detail else {})}
+            "finish_reason": record.finish_reason, "phase_forwards": record.phase_forwards,
+            "committed_by": record.committed_by, **({"execution": score.detail} if score.detail else {})}
 
 
 def _speedups(results: dict) -> dict:

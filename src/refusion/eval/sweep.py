@@ -100,8 +100,11 @@ def run_sweep(model, tokenizer, task: str, sweeps: dict[str, list], settings, *,
         document = evaluate(model, tokenizer, point, generate_fn=generate_fn, processes=processes)
         metrics = document["results"][task][strategy]
         rows.append({"strategy": strategy, "point": combo, **_row_metrics(metrics)})
+        acceptance = metrics.get("draft_acceptance")
         log(f"[{i + 1}/{len(combos)}] {describe(combo)}: accuracy {100 * metrics['accuracy']:.2f}  "
-            f"tokens/s {metrics['tokens_per_second']:.2f}  tokens/fwd {metrics['tokens_per_forward']:.2f}")
+            f"tokens/s {metrics['tokens_per_second']:.2f}  tokens/fwd {metrics['tokens_per_forward']:.2f}  "
+            f"forwards {phase_cell(metrics.get('phase_forwards', {}))}"
+            + (f"  drafts accepted {100 * acceptance:.0f}%" if acceptance is not None else ""))
     front = pareto_front([(r["tokens_per_second"], r["accuracy"]) for r in rows])
     for r, on_front in zip(rows, front, strict=True):
         r["pareto"] = on_front
@@ -119,21 +122,45 @@ def run_sweep(model, tokenizer, task: str, sweeps: dict[str, list], settings, *,
 
 def _row_metrics(m: dict) -> dict:
     keys = ("accuracy", "n", "tokens_per_second", "tokens_per_forward", "mean_generated_length", "latency_seconds")
-    return {k: m[k] for k in keys} | {"config": m["config"]}
+    accounting = {"phase_forwards": m.get("phase_forwards", {}), "committed_by": m.get("committed_by", {}),
+                  "drafted": m.get("drafted", 0), "accepted": m.get("accepted", 0),
+                  "draft_acceptance": m.get("draft_acceptance")}
+    return {k: m[k] for k in keys} | accounting | {"config": m["config"]}
+
+
+PHASE_ORDER = ("prefill", "plan", "verify", "complete", "decode")
+KIND_SHORT = {"fast_accept": "fast", "parallel_completion": "parallel", "speculative": "spec",
+              "autoregressive": "AR"}
+"""Short names of the kinds of round in the table."""
+
+
+def phase_cell(phases: dict[str, int]) -> str:
+    """"plan 12 · verify 20 · complete 8": forwards per phase, summed over the setting's sequences."""
+    order = [p for p in PHASE_ORDER if p in phases] + [p for p in phases if p not in PHASE_ORDER]
+    return " · ".join(f"{p} {phases[p]}" for p in order if phases[p]) or "-"
+
+
+def kind_cell(committed_by: dict[str, int]) -> str:
+    """"fast 30 · parallel 10": tokens committed per kind of round."""
+    return " · ".join(f"{KIND_SHORT.get(k, k)} {n}" for k, n in committed_by.items() if n) or "-"
 
 
 def format_sweep_table(doc: dict) -> str:
     """Markdown table: one row per grid point (Pareto points starred), then the AR baseline."""
     names = list(doc["sweep"])
     ar_tps = doc["baseline"]["tokens_per_second"] if doc.get("baseline") else None
-    header = [*names, "accuracy", "tokens/s", "tokens/fwd", "mean len", "speedup vs AR", "pareto"]
+    header = [*names, "accuracy", "tokens/s", "tokens/fwd", "mean len", "speedup vs AR", "pareto",
+              "forwards by phase", "tokens by round kind", "drafts accepted"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     rows = sorted(doc["rows"], key=lambda r: -r["tokens_per_second"])
     for r in rows + ([doc["baseline"]] if doc.get("baseline") else []):
         cells = [str(r["point"].get(n, "AR")) for n in names]
         speed = f"{r['tokens_per_second'] / ar_tps:.2f}x" if ar_tps else ""
+        acceptance = r.get("draft_acceptance")
+        drafts = f"{r['accepted']}/{r['drafted']} ({100 * acceptance:.0f}%)" if acceptance is not None else ""
         cells += [f"{100 * r['accuracy']:.2f}", f"{r['tokens_per_second']:.2f}", f"{r['tokens_per_forward']:.2f}",
-                  f"{r['mean_generated_length']:.1f}", speed, "*" if r.get("pareto") else ""]
+                  f"{r['mean_generated_length']:.1f}", speed, "*" if r.get("pareto") else "",
+                  phase_cell(r.get("phase_forwards", {})), kind_cell(r.get("committed_by", {})), drafts]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
