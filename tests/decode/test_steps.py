@@ -1,0 +1,180 @@
+"""The pure plan / verify / accept steps on small hand-built tensors, with hand-computed expectations."""
+
+import pytest
+import torch
+
+from refusion.decode.infill import (
+    FastAccept,
+    cut_after_first_eos,
+    fast_accept,
+    force_progress,
+    shared_advance,
+    shifted_token_probs,
+    verify_selected,
+)
+from refusion.decode.plan import draft_tokens, next_token, plan_slots, select_slots
+from refusion.decode.speculate import Drafts, accept_drafts
+
+
+def log_probs(*rows) -> torch.Tensor:
+    """Logits whose softmax is exactly the given rows of probabilities (0 -> -inf)."""
+    return torch.tensor(rows, dtype=torch.float32).log()
+
+
+def seeded(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ------------------------------------------------------------------------------------------- plan
+def test_select_slots_takes_every_score_above_the_threshold_in_position_order():
+    scores = torch.tensor([0.2, 0.9, 0.5, 0.95])
+    assert select_slots(scores, 0.5).tolist() == [1, 3]  # strictly above: 0.5 is not selected
+
+
+def test_select_slots_falls_back_to_the_single_best():
+    assert select_slots(torch.tensor([0.2, 0.4, 0.3]), 0.5).tolist() == [1]
+
+
+def test_draft_tokens_takes_the_argmax_and_its_probability():
+    logits = log_probs([0.1, 0.7, 0.2], [0.5, 0.2, 0.3])
+    tokens, confidence = draft_tokens(logits, 0.0, None)  # temperature 0 needs no generator
+    assert tokens.tolist() == [1, 0]
+    assert confidence.tolist() == pytest.approx([0.7, 0.5])
+
+
+def test_sampled_drafts_keep_the_unnoised_confidence():
+    probs = torch.tensor([[0.4, 0.35, 0.25]] * 64)
+    tokens, confidence = draft_tokens(probs.log(), 1.0, seeded())
+    assert len(set(tokens.tolist())) > 1  # sampled, not argmax
+    assert confidence.tolist() == pytest.approx(probs.gather(1, tokens[:, None]).squeeze(1).tolist())
+
+
+def test_plan_slots_groups_drafts_by_slot_and_scores_by_first_token():
+    logits = log_probs([0.9, 0.1], [0.6, 0.4], [0.3, 0.7], [0.2, 0.8])  # 2 slots of 2 tokens
+    plan = plan_slots(logits, slot_size=2, slot_threshold=0.8)
+    assert plan.drafts.tolist() == [[0, 0], [1, 1]]
+    assert plan.scores.tolist() == pytest.approx([0.9, 0.7])
+    assert plan.selected.tolist() == [0]
+
+
+def test_next_token_greedy_is_the_argmax():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0]])
+    assert next_token(logits, 0.0, None).tolist() == [[1], [0]]
+
+
+def test_next_token_sampling_is_reproducible_and_follows_the_softmax():
+    logits = log_probs([0.75, 0.25]).expand(4000, 2)
+    first, again = next_token(logits, 1.0, seeded(7)), next_token(logits, 1.0, seeded(7))
+    assert torch.equal(first, again)
+    assert not torch.equal(first, next_token(logits, 1.0, seeded(8)))
+    assert (first == 0).float().mean().item() == pytest.approx(0.75, abs=0.03)
+    # temperature sharpens: softmax(log p / 0.25) puts 0.75^4 / (0.75^4 + 0.25^4) = 81/82 on token 0
+    cold = next_token(logits, 0.25, seeded(7))
+    assert (cold == 0).float().mean().item() == pytest.approx(81 / 82, abs=0.01)
+
+
+# ------------------------------------------------------------------------------------------- verify
+def test_shifted_token_probs_reads_the_logits_one_position_back():
+    logits = log_probs([0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [0.2, 0.2, 0.6])  # [T=3, V=3]
+    tokens = torch.tensor([1, 2, 0])
+    # token 0 reads its own row (p=0.3, never used), token 1 reads row 0 (p(2)=0.2), token 2 row 1 (p(0)=0.1)
+    assert shifted_token_probs(logits, tokens).tolist() == pytest.approx([0.3, 0.2, 0.1])
+    batched = shifted_token_probs(torch.stack([logits, logits]), torch.stack([tokens, tokens]))  # [2, T]
+    assert batched.flatten().tolist() == pytest.approx([0.3, 0.2, 0.1] * 2)
+
+
+def test_verify_selected_accepts_each_slots_prefix_and_counts_the_global_prefix():
+    first_confidence = torch.tensor([0.9, 0.2])
+    ar_probs = torch.tensor([[0.0, 0.5, 0.1], [0.0, 0.6, 0.7]])  # column 0 is replaced by the plan's confidence
+    v = verify_selected(first_confidence, ar_probs, token_threshold=0.4)
+    assert v.slot_accepted.tolist() == [[1, 1, 0], [1, 1, 1]]  # a slot's first token is always accepted
+    assert v.prefix_length == 2  # over the concatenation 1 1 0 1 1 1
+
+
+def test_fast_accept_stops_at_the_first_eos_in_the_prefix():
+    drafts = torch.tensor([[5, 6, 7], [8, 2, 9]])
+    is_eos = drafts == 2  # EOS at flat index 4
+    assert fast_accept(drafts, 5, is_eos) == FastAccept(n_slots=2, last_length=2, eos=True)
+    assert fast_accept(drafts, 6, is_eos) == FastAccept(2, 2, True)
+
+
+def test_fast_accept_takes_whole_slots_once_the_prefix_reaches_a_slot():
+    drafts = torch.tensor([[5, 6, 7], [8, 2, 9]])
+    is_eos = drafts == 2
+    assert fast_accept(drafts, 3, is_eos) == FastAccept(1, 3, False)  # the EOS lies beyond the prefix
+    assert fast_accept(drafts, 4, torch.zeros_like(is_eos)) == FastAccept(1, 3, False)
+    assert fast_accept(drafts, 6, torch.zeros_like(is_eos)) == FastAccept(2, 3, False)
+
+
+def test_fast_accept_gives_nothing_below_one_slot():
+    drafts = torch.tensor([[5, 6, 7], [8, 2, 9]])
+    assert fast_accept(drafts, 2, drafts == 2) is None
+
+
+def test_force_progress_accepts_right_of_an_accepted_neighbour():
+    accept = torch.tensor([[0, 0, 1], [0, 0, 0], [0, 1, 0]]).bool()
+    previous = torch.tensor([[1, 0, 0], [1, 1, 0], [0, 0, 0]])
+    assert force_progress(accept, previous).long().tolist() == [
+        [1, 1, 1],  # position 1: its left neighbour was accepted; position 2 by its own probability
+        [1, 1, 1],
+        [1, 1, 0],  # the first position is always forced
+    ]
+
+
+def test_shared_advance_moves_by_the_smallest_row_and_keeps_one_back_while_incomplete():
+    assert shared_advance(torch.tensor([[1, 1, 0], [1, 1, 1]]), all_done=False) == 1
+    assert shared_advance(torch.tensor([[1, 1, 1], [1, 1, 1]]), all_done=True) == 3
+
+
+def test_cut_after_first_eos():
+    assert cut_after_first_eos(torch.tensor([0, 0, 1, 0, 1]).bool()).tolist() == [True, True, True, False, False]
+    assert cut_after_first_eos(torch.zeros(3, dtype=torch.bool)).tolist() == [True, True, True]
+
+
+# ------------------------------------------------------------------------------------------- speculative
+def test_greedy_accepts_drafts_while_they_equal_the_ar_argmax():
+    ar_logits = log_probs([0.1, 0.2, 0.7], [0.1, 0.8, 0.1], [0.3, 0.1, 0.6], [0.5, 0.4, 0.1])  # argmax 2 1 2 0
+    drafts = Drafts(torch.tensor([2, 1, 0]), None)
+    accepted, following = accept_drafts(drafts, ar_logits, 0.0, None)
+    assert (accepted, following.tolist()) == (2, [2])  # the third draft (0) is not the argmax (2)
+    accepted, following = accept_drafts(Drafts(torch.tensor([2, 1, 2]), None), ar_logits, 0.0, None)
+    assert (accepted, following.tolist()) == (3, [0])  # all accepted: the token after the last draft
+    accepted, following = accept_drafts(Drafts.none("cpu"), ar_logits[:1], 0.0, None)
+    assert (accepted, following.tolist()) == (0, [2])
+
+
+def test_sampling_accepts_every_draft_when_q_equals_p():
+    one_hot = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    drafts = Drafts(torch.tensor([1, 2]), one_hot)
+    ar_logits = log_probs([0, 1, 0], [0, 0, 1], [1, 0, 0])
+    for seed in range(20):
+        accepted, following = accept_drafts(drafts, ar_logits, 1.0, seeded(seed))
+        assert (accepted, following.tolist()) == (2, [0])
+
+
+def test_sampling_rejects_a_draft_the_target_never_gives_and_samples_the_residual():
+    drafts = Drafts(torch.tensor([1, 1]), torch.tensor([[0.0, 1.0, 0.0], [0.0, 1.0, 0.0]]))
+    ar_logits = log_probs([0, 0, 1], [1, 0, 0], [1, 0, 0])  # p(1) = 0 at the first draft
+    for seed in range(20):
+        accepted, following = accept_drafts(drafts, ar_logits, 1.0, seeded(seed))
+        assert (accepted, following.tolist()) == (0, [2])  # residual max(0, p - q) = p: token 2
+
+
+def test_speculative_sampling_keeps_the_target_distribution():
+    # p = (0.5, 0.5, 0), the draft is always token 0 (q one-hot): accepted with probability p/q = 0.5, and a
+    # rejection resamples from max(0, p - q) = (0, 0.5, 0): token 1. So the first token is 0 or 1, half each.
+    drafts = Drafts(torch.tensor([0]), torch.tensor([[1.0, 0.0, 0.0]]))
+    ar_logits = log_probs([0.5, 0.5, 0.0], [0.0, 0.0, 1.0])
+    firsts, generator = [], seeded()
+    for _ in range(500):
+        accepted, following = accept_drafts(drafts, ar_logits, 1.0, generator)
+        firsts.append(0 if accepted == 1 else int(following))
+        assert accepted == 0 or following.tolist() == [2]
+    assert sum(t == 0 for t in firsts) / len(firsts) == pytest.approx(0.5, abs=0.07)  # 3 sigma
+    assert set(firsts) == {0, 1}
+
+
+def test_sampled_drafts_need_their_distribution():
+    with pytest.raises(ValueError, match="draft distribution"):
+        accept_drafts(Drafts(torch.tensor([1]), None), log_probs([0.5, 0.5], [0.5, 0.5]), 1.0, seeded())
+
