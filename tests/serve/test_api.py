@@ -81,6 +81,31 @@ def test_request_overrides_server_defaults(live, tiny):
     assert small.choices[0].message.content == engine_text(tiny, "hello", max_new_tokens=10, **settings)
 
 
+def test_speculative_strategy_is_exact_streamed_or_not_with_phase_forwards(live, tiny):
+    """strategy "speculative" answers exactly what AR decoding does; its stats say where the forwards went."""
+    client = live.client()
+    extra = {"refusion": {"strategy": "speculative", "draft_length": 3}}
+    ar = engine_text(tiny, "hello", strategy="autoregressive")
+    whole = chat(client, "hello", extra_body=extra)
+    choice = whole.choices[0]
+    assert choice.message.content == ar and choice.finish_reason == "stop"  # EOS, decided by the program
+    stats = choice.model_extra["refusion"]
+    assert stats["strategy"] == "speculative" and set(stats["committed_by"]) == {"speculative"}
+    assert stats["phase_forwards"]["prefill"] == 1 and sum(stats["phase_forwards"].values()) == stats["forwards"]
+    assert stats["drafted"] >= stats["accepted"] >= 0 and 0 <= stats["draft_acceptance"] <= 1
+    text, finish, chunks = stream_text(client, "hello", extra_body=extra)
+    assert (text, finish) == (ar, ["stop"])
+    assert chunks[-1].choices[0].model_extra["refusion"]["phase_forwards"] == stats["phase_forwards"]
+    long = chat(client, "tell me a story", max_tokens=12, extra_body=extra).choices[0]
+    assert long.message.content == engine_text(tiny, "tell me a story", max_new_tokens=12, strategy="autoregressive")
+
+
+def test_refusion_stats_have_phase_forwards(live):
+    stats = chat(live.client(), "what is 2+2?").choices[0].model_extra["refusion"]
+    assert stats["phase_forwards"]["plan"] >= 1 and sum(stats["phase_forwards"].values()) == stats["forwards"]
+    assert set(stats["committed_by"]) <= {"fast_accept", "parallel_completion"} and "drafted" not in stats
+
+
 def test_ignore_eos_decodes_max_tokens(live):
     response = chat(live.client(), "hello", max_tokens=24,
                     extra_body={"refusion": {"strategy": "autoregressive", "ignore_eos": True}})
@@ -98,7 +123,7 @@ def test_stop_string_cuts_stream_and_whole_alike(live):
     assert (text, finish) == (expected, ["stop"])
 
 
-@pytest.mark.parametrize("strategy", ["refusion", "autoregressive"])
+@pytest.mark.parametrize("strategy", ["refusion", "speculative", "autoregressive"])
 def test_seeded_sampling_is_reproducible_and_samples(live, strategy):
     client = live.client()
     extra = {"refusion": {"strategy": strategy}}

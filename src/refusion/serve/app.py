@@ -218,7 +218,10 @@ async def _generate(server: Server, request: Request, body, prompts: list[list[i
 
 
 def _build_jobs(server: Server, body, prompts: list[list[int]], emits) -> list[Job]:
-    from refusion.decode.loop import sequence_generator, validate_prompts
+    """One job per prompt. Prompts are validated here, so that a bad one is a 400 naming its field before
+    anything is queued (`Decoder.add` checks again when the scheduler admits the job); the decoder seeds each
+    sequence's generator (seed + its index in the request)."""
+    from refusion.decode.loop import validate_prompts
     from refusion.model.special_tokens import special_tokens_of
 
     jobs = []
@@ -227,15 +230,14 @@ def _build_jobs(server: Server, body, prompts: list[list[int]], emits) -> list[J
         try:
             tokens = special_tokens_of(server.model).for_decoding(cfg)
             mask_id, eos_ids = tokens.mask_token_id, list(tokens.eos_token_ids)
-            validate_prompts(server.model, [prompt], cfg, mask_id)
+            validate_prompts(server.model, [prompt], cfg, mask_id, first_index=index)
         except ValueError as e:
             prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
             too_long_param = prompt_param if body.requested_tokens() is None else "max_tokens"
             raise _config_error(e, prompt_param, too_long_param) from None
         if body.refusion is not None and body.refusion.ignore_eos:
             eos_ids = []
-        jobs.append(Job(prompt, cfg, mask_id, eos_ids, emit, stops=body.stop_strings(),
-                        generator=sequence_generator(cfg, index, None)))
+        jobs.append(Job(prompt, cfg, mask_id, eos_ids, emit, stops=body.stop_strings(), index=index))
     return jobs
 
 

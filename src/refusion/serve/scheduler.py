@@ -43,7 +43,7 @@ class Event:
     """"stop" (EOS or a stop string), "length" (max_tokens), "cancelled"; None while decoding goes on."""
     completion_tokens: int = 0
     stats: dict | None = None
-    """Decoder statistics of the finished sequence (forwards, rounds, tokens_per_forward, ...)."""
+    """Decoder statistics of the finished sequence (forwards, rounds, tokens_per_forward, phase_forwards, ...)."""
     error: str | None = None
     """Set when decoding failed; the event is final."""
 
@@ -100,6 +100,9 @@ class Job:
     """Called from the scheduler thread with each event; must not block."""
     stops: list[str] = field(default_factory=list)
     generator: torch.Generator | None = None
+    """None: the decoder makes the sequence's own (seeded with config.seed + index at temperature > 0)."""
+    index: int = 0
+    """Position of the prompt in its request (its seed offset)."""
     submitted: float = field(default_factory=time.perf_counter)
     # scheduler state
     seq: Sequence | None = None
@@ -251,7 +254,7 @@ class Scheduler:
     def _admit(self, job: Job) -> None:
         try:
             job.seq = self.decoder.add(job.prompt, job.config, mask_token_id=job.mask_token_id,
-                                       eos_token_ids=job.eos_token_ids, generator=job.generator)
+                                       eos_token_ids=job.eos_token_ids, generator=job.generator, index=job.index)
         except Exception as e:
             log.exception("could not start a sequence")
             self.counters["failed"] += 1
@@ -276,8 +279,8 @@ class Scheduler:
         if delta:
             job.emit(Event(delta=delta))
         if stopped or finished:
-            eos = bool(tokens) and tokens[-1] in job.eos_token_ids
-            reason = "stop" if stopped or eos else "length"
+            # the program decided why it ended ("eos" or "length"); OpenAI calls an EOS a "stop"
+            reason = "stop" if stopped or seq.stats.finish_reason == "eos" else "length"
             self._leave(job, Event(finish_reason=reason, completion_tokens=len(tokens), stats=self._stats(job)))
 
     def _leave(self, job: Job, event: Event) -> None:
@@ -291,9 +294,13 @@ class Scheduler:
 
     def _stats(self, job: Job) -> dict:
         s = job.seq.stats
-        return {"strategy": job.config.strategy, "forwards": s.forwards, "rounds": s.rounds,
-                "tokens_per_forward": job.tokens / s.forwards if s.forwards else 0.0,
-                "queue_seconds": job.admitted - job.submitted, "decode_seconds": time.perf_counter() - job.admitted}
+        stats = {"strategy": job.config.strategy, "forwards": s.forwards, "rounds": s.rounds,
+                 "tokens_per_forward": job.tokens / s.forwards if s.forwards else 0.0,
+                 "phase_forwards": dict(s.phase_forwards), "committed_by": dict(s.committed_by)}
+        if s.drafted:
+            stats.update(drafted=s.drafted, accepted=s.accepted, draft_acceptance=s.accepted / s.drafted)
+        stats.update(queue_seconds=job.admitted - job.submitted, decode_seconds=time.perf_counter() - job.admitted)
+        return stats
 
     def _fail_all(self, message: str) -> None:
         """After a failed step: fail every live job and start over with a fresh decoder."""
