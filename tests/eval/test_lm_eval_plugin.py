@@ -87,6 +87,23 @@ def test_simple_evaluate_on_tiny_tasks(lm, task_dir, monkeypatch):
     assert all(ll[0][0] < 0 for doc in loglikelihoods for ll in doc)
 
 
+def test_speculative_strategy_as_a_model_arg(tiny, task_dir, monkeypatch):
+    """`strategy=speculative` from a model_args string: generate_until answers exactly what AR decoding does."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    from lm_eval.tasks import TaskManager
+
+    model, tokenizer = tiny
+    extra = {"model": model, "tokenizer": tokenizer, "batch_size": 2}
+    responses = {}
+    for strategy in ("speculative", "autoregressive"):
+        lm = ReFusionLM.create_from_arg_string(f"strategy={strategy},draft_length=2,max_new_tokens=12", extra)
+        assert (lm.decode_config.strategy, lm.decode_config.draft_length) == (strategy, 2)
+        out = lm_eval.simple_evaluate(model=lm, tasks=["refusion_tiny_gen"], log_samples=True,
+                                      task_manager=TaskManager(include_path=str(task_dir), include_defaults=False))
+        responses[strategy] = [s["resps"][0][0] for s in out["samples"]["refusion_tiny_gen"]]
+    assert responses["speculative"] == responses["autoregressive"] and len(responses["speculative"]) == 3
+
+
 @pytest.mark.parametrize("favoured, accuracy", [({"2", "4", "red"}, 2 / 3), ({"3", "5", "seven"}, 1 / 3)])
 def test_multiple_choice_accuracy_equals_a_hand_computed_value(tiny, task_dir, monkeypatch, favoured, accuracy):
     """A scripted scorer prefers the `favoured` answers: ROWS' labels make the accuracy known by hand, so a
