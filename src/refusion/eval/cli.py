@@ -39,7 +39,8 @@ def add_parser(subparsers) -> None:
                     "write a table (Markdown + JSON) and a Pareto plot (PNG) of accuracy against tokens/s.")
     b.add_argument("--task", required=True, help=f"task to sweep ({tasks})")
     b.add_argument("--sweep", action="append", default=[], metavar="NAME=V1,V2,...",
-                   help="a DecodeConfig field and its values, e.g. slot_threshold=0.5,0.7,0.9 (repeatable)")
+                   help="a DecodeConfig field and its values, e.g. slot_threshold=0.5,0.7,0.9 or "
+                        "strategy=refusion,speculative (repeatable)")
     _add_common(b)
     b.add_argument("--no-baseline", action="store_true", help="skip the AR baseline")
     b.add_argument("--output-dir", default="bench", help="folder for sweep.json, sweep.md and pareto.png")
