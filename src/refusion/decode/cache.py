@@ -129,7 +129,7 @@ class SlotCache:
 
     # ----------------------------------------------------------------------------- forward
     def begin_forward(self, groups: torch.Tensor, positions: torch.Tensor,
-                      lower_upto: torch.Tensor | None = None) -> torch.Tensor | None:
+                      lower_upto: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor] | None:
         """Reserve columns for a forward of new tokens and return its 4D attention mask.
 
         groups, positions: [B, T] (group PADDING for padding tokens); lower_upto: [B, T] or None, the
@@ -152,7 +152,8 @@ class SlotCache:
         self.used += self._pending_width
         self._pending_width = 0
 
-    def _attention_mask(self, groups: torch.Tensor, lower_upto: torch.Tensor | None):
+    def _attention_mask(self, groups: torch.Tensor,
+                        lower_upto: torch.Tensor | None) -> torch.Tensor | dict[str, torch.Tensor] | None:
         width = groups.shape[1]
         total = self.used + width
         windowed = any(w is not None for w in self.windows.values())
