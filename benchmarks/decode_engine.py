@@ -1,4 +1,4 @@
-"""Decoding-engine benchmark: batching gain, time outside forwards, KV reuse vs recompute.
+"""Decoding-engine benchmark: batching gain, time outside forwards, fused planning, KV reuse vs recompute.
 
 Everything is measured in one run on the same model and prompts (these machines are noisy): a randomly
 initialised ~100M-parameter Llama (SmolLM2-135M's shape), ReFusion and AR decoding, batch 1 vs batch B.
@@ -86,7 +86,9 @@ def main() -> None:
     refusion.generate(model, prompts[:2], base.replace(max_new_tokens=8, strategy="autoregressive"))
 
     results = {}
-    for name, cfg in {"refusion": base, "refusion_recompute": base.replace(kv_cache="recompute"),
+    for name, cfg in {"refusion": base, "refusion_unfused": base.replace(fused_plan=False),
+                      "refusion_recompute": base.replace(kv_cache="recompute"),
+                      "speculative": base.replace(strategy="speculative", predraft=True),
                       "autoregressive": base.replace(strategy="autoregressive")}.items():
         results[name] = {f"batch_{b}": timed(model, prompts, cfg, b, args.repeats) for b in (1, args.batch)}
         results[name]["batch_speedup"] = (results[name][f"batch_{args.batch}"]["tokens_per_second"]
@@ -98,6 +100,10 @@ def main() -> None:
         "batch": args.batch, "max_new_tokens": args.max_new_tokens, "slot_size": args.slot_size,
         "block_size": args.block_size, "torch": torch.__version__, "threads": torch.get_num_threads(),
         "machine": platform.machine(), "results": results,
+        "fused_plan_forward_saving_batch_1": 1 - results["refusion"][b1]["forwards"]
+        / results["refusion_unfused"][b1]["forwards"],
+        "fused_over_unfused_tokens_per_second_batch_1": results["refusion"][b1]["tokens_per_second"]
+        / results["refusion_unfused"][b1]["tokens_per_second"],
         "reuse_over_recompute_tokens_per_second_batch_1": results["refusion"][b1]["tokens_per_second"]
         / results["refusion_recompute"][b1]["tokens_per_second"],
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -106,7 +112,7 @@ def main() -> None:
         if "batch_speedup" not in r:
             print(f"{name:20s} batch 1 {r[b1]['tokens_per_second']:7.1f} tok/s")
             continue
-        print(f"{name:20s} batch 1 {r[b1]['tokens_per_second']:7.1f} tok/s  batch {args.batch} "
+        print(f"{name:20s} batch 1 {r[b1]['tokens_per_second']:7.1f} tok/s ({r[b1]['forwards']} forwards)  batch {args.batch} "
               f"{r[f'batch_{args.batch}']['tokens_per_second']:7.1f} tok/s  x{r['batch_speedup']:.2f}  "
               f"outside forwards {100 * r[f'batch_{args.batch}']['outside_forward_fraction']:.1f}% / "
               f"{100 * r[b1]['outside_forward_fraction']:.1f}%")

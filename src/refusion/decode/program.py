@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Generator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -162,6 +163,13 @@ def _zeros(tokens: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(tokens)
 
 
+def _with_masks(seq: Sequence, mask_positions: torch.Tensor, upto: int, request: Forward) -> Forward:
+    """`request` plus masks at `mask_positions` as a new group reading every lower group's pending entries
+    up to position `upto` (the fused plan: the next round's masks over everything the round may commit)."""
+    group = int(request.groups.max()) + 1
+    return request.with_branch(_masks(seq, mask_positions), mask_positions, group, upto)
+
+
 # --------------------------------------------------------------------------------- ReFusion
 def refusion_program(seq: Sequence) -> Program:
     """Plan and infill, block by block (docs/DECODING.md; paper §3).
@@ -223,11 +231,7 @@ def refusion_program(seq: Sequence) -> Program:
             upcoming = left if left.numel() else block_slots(block + 1)  # what the next plan drafts
             fuse = cfg.fused_plan and upcoming.numel() > 0
 
-            def with_next_plan(request: Forward) -> Forward:
-                """Append the next round's masks, reading every pending entry of the round (fused plan)."""
-                group = int(request.groups.max()) + 1
-                mask_positions = slot_positions(upcoming)
-                return request.with_branch(_masks(seq, mask_positions), mask_positions, group, canvas_end)
+            with_next_plan = partial(_with_masks, seq, slot_positions(upcoming), canvas_end)
 
             # 2. verify: one forward of the selected drafts in position order, keeping its KV for now
             request = Forward(drafts.flatten(), positions.flatten(), _zeros(drafts.flatten()))
