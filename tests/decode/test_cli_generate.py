@@ -121,3 +121,14 @@ def test_generate_from_file_seeds_each_record_by_its_index(model_dir, tmp_path):
         responses[batch_size] = [json.loads(line)["response"] for line in target.read_text().splitlines()]
     assert responses[2] == responses[4]  # record i is sampled with seed + i, whatever its batch
     assert len(set(responses[4])) > 1  # and the records are not copies of each other
+
+
+def test_stats_line_says_where_the_forwards_went(model_dir, capsys):
+    assert main(["generate", "hi", "--model", model_dir, "--max-new-tokens", "8", "--stats", "--strategy",
+                 "speculative", "--draft-length", "2", "--no-chat"]) == 0
+    stats = capsys.readouterr().out.strip().splitlines()[-1]
+    assert stats.startswith("[speculative | tokens ") and "(prefill 1, verify " in stats and "drafts accepted" in stats
+    assert main(["generate", "hi", "--model", model_dir, "--max-new-tokens", "8", "--stats", "--slot-size", "2",
+                 "--block-size", "4", "--no-chat"]) == 0
+    stats = capsys.readouterr().out.strip().splitlines()[-1]
+    assert stats.startswith("[refusion | tokens ") and "(plan " in stats

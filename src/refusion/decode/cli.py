@@ -76,10 +76,17 @@ def run(args: argparse.Namespace) -> int:
             print(f"--- [{i}] {prompt}")
         print(text)
         if args.stats:
-            print(f"[tokens {stats.tokens} | forwards {stats.forwards} | tokens/forward "
-                  f"{stats.tokens_per_forward:.2f} | tokens/s {stats.tokens_per_second:.1f} | "
-                  f"{stats.seconds:.2f} s | {stats.finish_reason}]")
+            print(stats_line(cfg, stats))
     return 0
+
+
+def stats_line(cfg, stats) -> str:
+    """One line on where the forwards went: strategy, tokens, forwards per phase, drafts accepted, speed."""
+    phases = ", ".join(f"{phase} {n}" for phase, n in stats.phase_forwards.items() if n)
+    drafts = f" | drafts accepted {stats.accepted}/{stats.drafted}" if stats.drafted else ""
+    return (f"[{cfg.strategy} | tokens {stats.tokens} | forwards {stats.forwards} ({phases}) | tokens/forward "
+            f"{stats.tokens_per_forward:.2f}{drafts} | tokens/s {stats.tokens_per_second:.1f} | "
+            f"{stats.seconds:.2f} s | {stats.finish_reason}]")
 
 
 def read_stdin() -> str:

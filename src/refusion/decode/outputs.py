@@ -39,7 +39,8 @@ class RoundTrace:
     finished: bool = False
     """Whether EOS was committed in this round."""
     phase_forwards: dict[str, int] = field(default_factory=dict)
-    """Where this round's forwards went: "plan", "verify", "complete" (parallel completion, KV recompute)."""
+    """Where this round's forwards went: "prefill" (the prompt, exact and AR modes), "plan" (the first one
+    carries the prompt), "verify", "complete" (parallel completion, KV recompute), "decode" (AR)."""
     fused_plan: bool = False
     """Whether this round's plan rode on the previous round's last forward (it cost no forward of its own)."""
     drafted: int = 0
