@@ -136,7 +136,9 @@ def _is_id(value) -> bool:
 
 
 # Named decoding presets: the paper's per-task settings (docs/DECODING.md, "Settings"), the demo setting, and the embedded
-# model's own (picked by a sweep on GSM8K, docs/BENCHMARKS.md; `refusion.default_decode_settings()`).
+# model's own (`refusion.default_decode_settings()`): the exact mode, which was the fastest on it in
+# benchmarks/decode_modes.py (docs/BENCHMARKS.md), with the plan-and-infill settings a GSM8K sweep picked for
+# `--strategy refusion`.
 PRESETS: dict[str, dict] = {
     "demo": dict(slot_size=4, slot_threshold=0.6, token_threshold=0.3, block_size=16),
     "mmlu_pro": dict(slot_size=16, slot_threshold=0.9, token_threshold=0.4, block_size=128),
@@ -146,7 +148,8 @@ PRESETS: dict[str, dict] = {
     "gpqa": dict(slot_size=8, slot_threshold=0.8, token_threshold=0.2, block_size=16),
     "humaneval": dict(slot_size=32, slot_threshold=0.9, token_threshold=0.4, block_size=128),
     "mbpp": dict(slot_size=32, slot_threshold=0.9, token_threshold=0.3, block_size=128),
-    "refusion-smol": dict(slot_size=8, slot_threshold=0.7, token_threshold=0.3, block_size=16),
+    "refusion-smol": dict(strategy="speculative", draft_length=2, predraft=True,
+                          slot_size=8, slot_threshold=0.7, token_threshold=0.3, block_size=16),
 }
 
 

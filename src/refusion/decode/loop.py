@@ -151,6 +151,17 @@ def normalize_prompts(input_ids, attention_mask=None) -> list[list[int]]:
     return prompts
 
 
+def reject_padding(input_ids, pad_token_id: int | None) -> None:
+    """A (B, P) tensor given without its attention_mask must not be padded: pad ids would be read as text."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] < 2 or pad_token_id is None:
+        return
+    padded = (input_ids[:, 0] == pad_token_id) | (input_ids[:, -1] == pad_token_id)
+    if bool(padded.any()):
+        row = int(padded.nonzero()[0])
+        raise ValueError(f"input_ids row {row} starts or ends with the pad id {pad_token_id}, so the batch looks "
+                         "padded: pass attention_mask=... (as the tokenizer returns it) or a list of id lists")
+
+
 def validate_prompts(model, prompts: list[list[int]], cfg: DecodeConfig, mask_id: int | None,
                      first_index: int = 0) -> None:
     """Bad input fails here, with the field named, before any forward pass (prompts are numbered from
@@ -205,8 +216,10 @@ def generate(model, input_ids, cfg: DecodeConfig | None = None, *, attention_mas
     cfg = cfg or DecodeConfig()
     if overrides:
         cfg = cfg.replace(**overrides)
-    prompts = normalize_prompts(input_ids, attention_mask)
     tokens = (special_tokens or special_tokens_of(model)).for_decoding(cfg)
+    if attention_mask is None:
+        reject_padding(input_ids, tokens.pad_token_id)
+    prompts = normalize_prompts(input_ids, attention_mask)
     mask_id, eos_ids = tokens.mask_token_id, list(tokens.eos_token_ids)
     was_training = model.training
     model.eval()
