@@ -1,8 +1,9 @@
 """The built-in data sets and their prompt formats, shared by `refusion train`, `refusion eval` and `refusion generate`.
 
 Data is read from a data folder (default: `../shared/data` next to the project, or $REFUSION_DATA_DIR), never
-copied. A built-in train split is formatted with the same prompt `refusion eval` sends for that task, so that a
-model fine-tuned on it (or on answers generated from it) is evaluated on the format it learned.
+copied. A built-in prompt set (a train or validation split, never a test split) is formatted with the same prompt
+`refusion eval` sends for that task, so that a model fine-tuned on it (or on answers generated from it) is
+evaluated on the format it learned.
 """
 
 from __future__ import annotations
@@ -15,9 +16,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 DATA_DIR_ENV = "REFUSION_DATA_DIR"
-BUILTIN_DATASETS = ("gsm8k", "mbpp", "math")
-"""Names of the built-in train splits (`--data gsm8k`, `generate --input gsm8k`)."""
-BUILTIN_TRAIN_FILES = {"gsm8k": "gsm8k/train.jsonl", "mbpp": "mbpp/mbpp.jsonl", "math": "math/train.jsonl"}
+BUILTIN_TRAIN_FILES = {
+    "gsm8k": "gsm8k/train.jsonl",
+    "mbpp": "mbpp/mbpp.jsonl",  # task ids 601-974 only
+    "math": "math/train.jsonl",
+    "arc_challenge_train": "arc_challenge/ARC-Challenge-Train.jsonl",
+    "arc_challenge_dev": "arc_challenge/ARC-Challenge-Dev.jsonl",
+    "mmlu_pro_validation": "mmlu_pro/validation.jsonl",
+}
+"""The file of each built-in prompt set, inside the data folder: train and validation splits only, never a test split."""
+BUILTIN_MIXES = {"distill-mix": ("gsm8k", "math", "mbpp", "arc_challenge_train", "arc_challenge_dev",
+                                 "mmlu_pro_validation")}
+"""Built-in sets that interleave others, one record of each in turn (`generate --input distill-mix`)."""
+BUILTIN_DATASETS = (*BUILTIN_TRAIN_FILES, *BUILTIN_MIXES)
+"""Names of the built-in prompt sets (`--data gsm8k`, `generate --input distill-mix`)."""
 MBPP_TRAIN_TASK_IDS = range(601, 975)
 MBPP_TEST_IDS = range(11, 511)
 
@@ -61,6 +73,25 @@ def choice_prompt(question: str, options: list[str]) -> str:
     return "\n".join(lines)
 
 
+def arc_question(row: dict) -> tuple[str, str, str]:
+    """(prompt, answer letter, option letters) of an ARC record; options labelled "1".."4" (22 questions) are
+    relabelled by position, like all others."""
+    choices = row["question"]["choices"]
+    labels = [c["label"] for c in choices]
+    prompt = choice_prompt(row["question"]["stem"], [c["text"] for c in choices])
+    return prompt, LETTERS[labels.index(row["answerKey"])], LETTERS[:len(choices)]
+
+
+def mmlu_pro_question(row: dict) -> tuple[str, str, str]:
+    """(prompt, answer letter, option letters) of an MMLU-Pro record."""
+    return choice_prompt(row["question"], row["options"]), row["answer"], LETTERS[:len(row["options"])]
+
+
+def choice_answer(letter: str) -> str:
+    """The ending CHOICE_INSTRUCTION asks for."""
+    return f"The answer is {letter}."
+
+
 def code_prompt(stub: str) -> str:
     """A function stub to complete (HumanEval)."""
     return f"Complete the following Python function. {CODE_INSTRUCTION}\n\n```python\n{stub.rstrip()}\n```"
@@ -72,22 +103,35 @@ def mbpp_prompt(text: str, tests: list[str]) -> str:
             f"Your code should pass these tests:\n\n" + "\n".join(tests) + f"\n\n{CODE_INSTRUCTION}")
 
 
-# 3. the built-in train splits -------------------------------------------------------------------------------
+# 3. the built-in prompt sets --------------------------------------------------------------------------------
+
+def builtin_train_files(name: str, data_dir: str | Path | None = None) -> list[Path]:
+    """The files a built-in set reads (each set of a mix); FileNotFoundError says which folder to pass."""
+    root = Path(data_dir) if data_dir else default_data_dir()
+    paths = [root / BUILTIN_TRAIN_FILES[part] for part in BUILTIN_MIXES.get(name, (name,))]
+    for path in paths:
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"built-in data set {name!r} needs {path}, which does not exist; pass --data-dir with the folder "
+                f"holding {path.relative_to(root)} (or set {DATA_DIR_ENV})"
+            )
+    return paths
+
 
 def builtin_train_file(name: str, data_dir: str | Path | None = None) -> Path:
-    """The file of a built-in train split; FileNotFoundError says which folder to pass."""
-    root = Path(data_dir) if data_dir else default_data_dir()
-    path = root / BUILTIN_TRAIN_FILES[name]
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"built-in data set {name!r} needs {path}, which does not exist; pass --data-dir with the folder "
-            f"holding gsm8k/, mbpp/ and math/ (or set {DATA_DIR_ENV})"
-        )
-    return path
+    """The file of a built-in set that is not a mix (see `builtin_train_files`)."""
+    if name in BUILTIN_MIXES:
+        raise ValueError(f"{name!r} is a mix of several files: use builtin_train_files")
+    return builtin_train_files(name, data_dir)[0]
 
 
 def builtin_train_pairs(name: str, data_dir: str | Path | None = None) -> Iterator[tuple[str, str, str]]:
-    """(origin "file:line", prompt, worked answer) of each record of a built-in train split, in file order."""
+    """(origin, prompt, gold answer) of each record of a built-in set, in file order; the origin is "file:line"
+    with the file relative to the data folder ("gsm8k/train.jsonl:12"). A mix takes one record of each of its
+    sets in turn, in the order it lists them, until all are exhausted (deterministic: no shuffling)."""
+    if name in BUILTIN_MIXES:
+        yield from interleave([builtin_train_pairs(part, data_dir) for part in BUILTIN_MIXES[name]])
+        return
     path = builtin_train_file(name, data_dir)
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
@@ -96,7 +140,19 @@ def builtin_train_pairs(name: str, data_dir: str | Path | None = None) -> Iterat
             row = json.loads(line)
             if name == "mbpp" and row["task_id"] not in MBPP_TRAIN_TASK_IDS:
                 continue
-            yield (f"{path}:{number}", *_format_train_row(name, row))
+            yield (f"{BUILTIN_TRAIN_FILES[name]}:{number}", *_format_train_row(name, row))
+
+
+def interleave(sources: list[Iterator]) -> Iterator:
+    """One item of each source in turn; an exhausted source drops out, the others go on."""
+    active = list(sources)
+    while active:
+        for source in list(active):
+            item = next(source, None)
+            if item is None:
+                active.remove(source)
+            else:
+                yield item
 
 
 def _format_train_row(name: str, row: dict) -> tuple[str, str]:
@@ -105,5 +161,12 @@ def _format_train_row(name: str, row: dict) -> tuple[str, str]:
         return boxed_prompt(row["question"]), f"{rationale.rstrip()}\nThe final answer is $\\boxed{{{final.strip()}}}$."
     if name == "math":
         return boxed_prompt(row["problem"]), row["solution"]
+    if name.startswith("arc_challenge"):
+        prompt, letter, _ = arc_question(row)
+        return prompt, choice_answer(letter)
+    if name == "mmlu_pro_validation":  # its worked answer, "A: Let's think step by step. ... The answer is (X)."
+        prompt, letter, _ = mmlu_pro_question(row)
+        cot = re.sub(r"^A:\s*", "", row["cot_content"].strip())
+        return prompt, re.sub(r"\s*The answer is \(?[A-J]\)?\.?$", "", cot) + " " + choice_answer(letter)
     code = row["code"].replace("\r\n", "\n").strip()
     return mbpp_prompt(row["text"], row["test_list"]), f"```python\n{code}\n```"

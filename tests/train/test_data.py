@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -31,6 +32,14 @@ def test_jsonl_json_list_and_messages_records(tmp_path):
     assert [c.response for c in a] == ["r1", "r2"] and a[1].origin.endswith("a.jsonl:3")
     assert b[0].messages == ({"role": "system", "content": "s"}, {"role": "user", "content": "q"})
     assert b[0].response == "r"
+
+
+def test_gzip_compressed_jsonl(tmp_path):
+    path = tmp_path / "distilled.jsonl.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.write(json.dumps({"query": "q1", "response": "r1", "origin": "gsm8k/train.jsonl:1"}) + "\n")
+    (conversation,) = load_conversations(str(path))
+    assert conversation.response == "r1" and conversation.origin.endswith("distilled.jsonl.gz:1")
 
 
 @pytest.mark.parametrize("line, message", [

@@ -9,6 +9,7 @@ import os
 import sys
 
 from refusion.arguments import add_decode_arguments, add_model_arguments, decode_config_from_args
+from refusion.data import BUILTIN_DATASETS
 
 
 def add_parser(subparsers) -> None:
@@ -18,11 +19,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("prompts", nargs="*", metavar="PROMPT")
     p.add_argument("--input", default=None, metavar="JSONL",
                    help='prompts from a JSONL file of {"prompt": ...} (or "query") records, or the questions of a '
-                        "built-in train split (gsm8k, mbpp, math) in `refusion eval`'s prompt format")
+                        f"built-in train/validation set ({', '.join(BUILTIN_DATASETS)}) in `refusion eval`'s prompt "
+                        "format; distill-mix interleaves all the others")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="with --input: only the first N prompts")
     p.add_argument("--output", default=None, metavar="JSONL",
-                   help='with --input: write {"query", "response", "stats"} lines here (the training data format); '
-                        "an existing file is continued, never overwritten")
+                   help='with --input: write {"query", "response", "origin", "stats"} lines here (the training data '
+                        "format; origin is the prompt's file:line); an existing file is continued, never overwritten")
     p.add_argument("--batch-size", type=int, default=8, help="with --input: prompts decoded together (default 8)")
     add_model_arguments(p)
     add_decode_arguments(p)
@@ -99,13 +101,13 @@ def read_stdin() -> str:
                          "convert it first, e.g. with iconv") from None
 
 
-def read_prompt_file(path: str) -> list[str]:
-    """Prompts of a JSONL file of {"prompt": ...} or {"query": ...} records (errors name the line), or of a
-    built-in train split when `path` is its name and no such file exists."""
-    from refusion.data import BUILTIN_DATASETS, builtin_train_pairs
+def read_prompt_file(path: str) -> list[tuple[str, str]]:
+    """(origin "file:line", prompt) of each record of a JSONL file of {"prompt": ...} or {"query": ...} records
+    (errors name the line), or of a built-in prompt set when `path` is its name and no such file exists."""
+    from refusion.data import builtin_train_pairs
 
     if path in BUILTIN_DATASETS and not os.path.exists(path):
-        return [query for _, query, _ in builtin_train_pairs(path)]
+        return [(origin, query) for origin, query, _ in builtin_train_pairs(path)]
     prompts = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
@@ -118,8 +120,27 @@ def read_prompt_file(path: str) -> list[str]:
             prompt = record.get("prompt", record.get("query")) if isinstance(record, dict) else None
             if not isinstance(prompt, str) or not prompt.strip():
                 raise ValueError(f'{path}:{number}: expected a non-empty "prompt" (or "query") string')
-            prompts.append(prompt)
+            prompts.append((f"{path}:{number}", prompt))
     return prompts
+
+
+def count_done(output: str, prompts: list[tuple[str, str]]) -> int:
+    """How many records an existing --output holds, after checking that they answer the first prompts in order
+    (a file made from other prompts, or by another --input, is refused rather than continued)."""
+    if not os.path.exists(output):
+        return 0
+    with open(output, encoding="utf-8") as f:
+        lines = [(number, line) for number, line in enumerate(f, 1) if line.strip()]
+    for i, (number, line) in enumerate(lines):
+        try:
+            query = json.loads(line).get("query")
+        except (json.JSONDecodeError, AttributeError):
+            raise ValueError(f"{output}:{number}: not a generate record (an interrupted write? delete that line "
+                             "and run again)") from None
+        if i < len(prompts) and query != prompts[i][1]:
+            raise ValueError(f"{output}:{number}: answers another prompt than --input's record {i + 1} "
+                             f"({prompts[i][0]}): give a new --output to start afresh")
+    return len(lines)
 
 
 def run_file(args: argparse.Namespace) -> int:
@@ -139,10 +160,7 @@ def run_file(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit={args.limit} is invalid: must be >= 1")
     prompts = read_prompt_file(args.input)[:args.limit]
-    done = 0
-    if os.path.exists(args.output):
-        with open(args.output, encoding="utf-8") as f:
-            done = sum(1 for line in f if line.strip())
+    done = count_done(args.output, prompts)
     cfg = decode_config_from_args(args)
     if done >= len(prompts):
         print(f"{args.output} already holds {done} responses for {len(prompts)} prompts: nothing to do")
@@ -154,11 +172,12 @@ def run_file(args: argparse.Namespace) -> int:
                                                                     desc="generate") as bar:
         for start in range(done, len(prompts), args.batch_size):
             batch = prompts[start:start + args.batch_size]
-            ids = encode_prompts(tokenizer, batch, chat=not args.no_chat, system=args.system)
+            ids = encode_prompts(tokenizer, [prompt for _, prompt in batch], chat=not args.no_chat, system=args.system)
             out = generate(model, ids, cfg if cfg.seed is None else cfg.replace(seed=cfg.seed + start))
-            for prompt, tokens, stats in zip(batch, out.sequences, out.stats.per_sequence):
+            for (origin, prompt), tokens, stats in zip(batch, out.sequences, out.stats.per_sequence):
                 text = tokenizer.decode(tokens, skip_special_tokens=True)
-                out_file.write(json.dumps({"query": prompt, "response": text, "stats": stats.to_dict()}) + "\n")
+                record = {"query": prompt, "response": text, "origin": origin, "stats": stats.to_dict()}
+                out_file.write(json.dumps(record) + "\n")
             out_file.flush()
             bar.update(len(batch))
     return 0

@@ -17,13 +17,14 @@ from typing import Any
 from refusion.data import (
     BOXED_INSTRUCTION,
     DATA_DIR_ENV,
-    LETTERS,
     MBPP_TEST_IDS,
+    arc_question,
     boxed_prompt,
     choice_prompt,
     code_prompt,
     default_data_dir,
     mbpp_prompt,
+    mmlu_pro_question,
 )
 from refusion.data import read_jsonl as _read_jsonl
 from refusion.eval import scoring
@@ -110,20 +111,17 @@ _score_math = _score_by(scoring.extract_math_answer, scoring.math_equal)
 # ---------------------------------------------------------------------------------------------------
 # multiple choice: ARC-Challenge, MMLU-Pro
 
+def _choice_example(example_id: str, question: tuple[str, str, str]) -> Example:
+    prompt, answer, letters = question
+    return Example(example_id, prompt, {"answer": answer, "letters": letters})
+
+
 def _load_arc(path: Path) -> list[Example]:
-    examples = []
-    for r in _read_jsonl(path):
-        choices = r["question"]["choices"]
-        labels = [c["label"] for c in choices]  # "A".."E", or "1".."4" for 22 questions: relabel by index
-        answer = LETTERS[labels.index(r["answerKey"])]
-        examples.append(Example(r["id"], choice_prompt(r["question"]["stem"], [c["text"] for c in choices]),
-                                {"answer": answer, "letters": LETTERS[:len(choices)]}))
-    return examples
+    return [_choice_example(r["id"], arc_question(r)) for r in _read_jsonl(path)]
 
 
 def _load_mmlu_pro(path: Path) -> list[Example]:
-    return [Example(str(r["question_id"]), choice_prompt(r["question"], r["options"]),
-                    {"answer": r["answer"], "letters": LETTERS[:len(r["options"])]}) for r in _read_jsonl(path)]
+    return [_choice_example(str(r["question_id"]), mmlu_pro_question(r)) for r in _read_jsonl(path)]
 
 
 def _score_choice(examples, responses, options) -> list[Score]:

@@ -1,10 +1,11 @@
 """Training data: records -> chat-templated (prompt, response + EOS) token ids (docs/TRAINING.md, "Data").
 
 Accepted sources:
-- a JSON list or JSONL file of {"query": ..., "response": ...} records (the reference format) or
-  {"messages": [{"role", "content"}, ...]} chat records whose last message is the assistant's response;
-- the built-in train splits "gsm8k", "mbpp" (task ids 601-974) and "math" (`refusion.data`), read from the
-  shared data folder.
+- a JSON list or JSONL file (.gz: gzip-compressed) of {"query": ..., "response": ...} records (the reference
+  format) or {"messages": [{"role", "content"}, ...]} chat records whose last message is the assistant's response;
+- the built-in prompt sets of `refusion.data` with their gold answers (train and validation splits: "gsm8k",
+  "mbpp" (task ids 601-974), "math", "arc_challenge_train", "arc_challenge_dev", "mmlu_pro_validation", and
+  "distill-mix", all of them interleaved), read from the shared data folder.
 
 The prompt goes through the tokenizer's chat template with the generation prompt; the response is
 followed by the turn-end token. Samples longer than the maximum length are skipped and counted.
@@ -12,6 +13,7 @@ followed by the turn-end token. Samples longer than the maximum length are skipp
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from refusion.data import BUILTIN_DATASETS, builtin_train_file, builtin_train_pairs, default_data_dir
+from refusion.data import BUILTIN_DATASETS, builtin_train_files, builtin_train_pairs, default_data_dir
 
 __all__ = ["BUILTIN_DATASETS", "Conversation", "TokenizedData", "check_sources", "default_data_dir",
            "load_conversations", "load_training_data", "response_eos_id", "tokenize_conversations"]
@@ -61,7 +63,7 @@ def check_sources(sources: tuple[str, ...], data_dir: str | Path | None = None) 
     """Fail fast (before any model is loaded) on a --data value that is neither a file nor a built-in set."""
     for source in sources:
         if source in BUILTIN_DATASETS and not Path(source).exists():
-            builtin_train_file(source, data_dir)
+            builtin_train_files(source, data_dir)
         elif not Path(source).is_file():
             raise FileNotFoundError(f"data file {source} does not exist (built-in data sets: "
                                     f"{', '.join(BUILTIN_DATASETS)})")
@@ -70,11 +72,16 @@ def check_sources(sources: tuple[str, ...], data_dir: str | Path | None = None) 
 # 2. reading records -----------------------------------------------------------------------------------------
 
 def read_json_records(path: str | Path) -> Iterator[tuple[str, dict]]:
-    """(origin, record) of a JSON list or JSONL file; a line or record that does not parse is a ValueError."""
+    """(origin, record) of a JSON list or JSONL file (gzip-compressed when its name ends in .gz); a line or record
+    that does not parse is a ValueError."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} does not exist")
-    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            text = f.read()
+    else:
+        text = path.read_text(encoding="utf-8")
     if text.lstrip().startswith("["):
         try:
             records = json.loads(text)
@@ -116,7 +123,7 @@ def _chat_conversation(messages, origin: str) -> Conversation:
 
 
 def builtin_conversations(name: str, data_dir: str | Path | None = None) -> Iterator[Conversation]:
-    """The train split of a built-in data set, formatted as user question -> worked answer."""
+    """A built-in prompt set, formatted as user question -> gold answer."""
     for origin, query, response in builtin_train_pairs(name, data_dir):
         yield Conversation(({"role": "user", "content": query},), response, origin)
 

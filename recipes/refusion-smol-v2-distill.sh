@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Makes the distilled set of refusion-smol v2: the greedy answers of the base model, SmolLM2-135M-Instruct, to
+# the prompts of every train/validation split of the shared data folder (`--input distill-mix`: GSM8K train,
+# MATH train, MBPP 601-974, ARC-Challenge train and dev, MMLU-Pro validation, one of each in turn; never a
+# test split), in `refusion eval`'s prompt formats. Only answers that end with EOS are kept. Run from the
+# repository root inside the README's venv; the generation resumes where it stopped, so an interrupted run is
+# continued by running the script again, and a finished one only repacks the set.
+#   bash recipes/refusion-smol-v2-distill.sh [OUTPUT_DIR]      (default runs/refusion-smol-v2-distill)
+#   LIMIT=N bash recipes/refusion-smol-v2-distill.sh ...       only the first N prompts of the mix (a trial run:
+#                                                              the set is then packed into OUTPUT_DIR, not recipes/)
+# The whole mix (16835 prompts, 2105 batches of 8) takes ~15 h on one CPU thread: a batch lasts as long as its
+# longest answer, ~25 s when one runs to the 384-token limit (docs/TRAINING.md, "Distilling from the base").
+# Where there is a CUDA GPU the same command uses it; LIMIT=N makes a prefix, which is still a mix.
+set -euo pipefail
+OUT=${1:-runs/refusion-smol-v2-distill}
+LIMIT=${LIMIT:-}
+if [ -n "$LIMIT" ]; then PACKED="$OUT/refusion-smol-v2-distill.jsonl.gz"
+else PACKED=recipes/data/refusion-smol-v2-distill.jsonl.gz; fi
+mkdir -p "$OUT" "$(dirname "$PACKED")"
+
+# 1. the base model's greedy answers, one JSON line per prompt, in the mix's order (resumable)
+refusion generate --model smollm2 --strategy autoregressive --input distill-mix ${LIMIT:+--limit "$LIMIT"} \
+  --max-new-tokens 384 --batch-size 8 --output "$OUT/answers.jsonl"
+
+# 2. keep the answers that ended with EOS (those cut at the length limit teach no ending), as training records
+#    {"query", "response", "origin"}, gzip-compressed with a fixed timestamp (same answers, same bytes)
+python - "$OUT/answers.jsonl" "$PACKED" ${LIMIT:+"$LIMIT"} <<'PY'
+import collections, gzip, json, os, sys
+source, packed = sys.argv[1], sys.argv[2]
+limit = int(sys.argv[3]) if len(sys.argv) > 3 else None
+records = [json.loads(line) for line in open(source, encoding="utf-8") if line.strip()][:limit]
+kept = [r for r in records if r["stats"]["finish_reason"] == "eos"]
+lines = "".join(json.dumps({"query": r["query"], "response": r["response"], "origin": r["origin"]}) + "\n"
+                for r in kept)
+with open(packed + ".tmp", "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f:
+    f.write(lines.encode("utf-8"))
+os.replace(packed + ".tmp", packed)
+by_source = lambda rs: collections.Counter(r["origin"].rsplit(":", 1)[0] for r in rs)
+total, ended = by_source(records), by_source(kept)
+for name in total:
+    print(f"  {name}: kept {ended[name]} of {total[name]}")
+size = os.path.getsize(packed) / 2**20
+print(f"distilled: kept {len(kept)} of {len(records)} answers (the others hit the length limit); "
+      f"{packed}: {size:.2f} MB")
+if size > 10:
+    sys.exit(f"{packed} is over the 10 MB allowed under recipes/")
+PY
