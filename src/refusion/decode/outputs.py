@@ -18,8 +18,29 @@ class SlotEvent:
     """Planning score (confidence of the first drafted token), when planned."""
 
 
+@dataclass(kw_only=True)
+class RoundAccounting:
+    """Where a round's forwards went and, in the exact mode, how its drafts fared. Shared by the engine's
+    `RoundTrace` and the trace file's record; given by keyword."""
+
+    phase_forwards: dict[str, int] = field(default_factory=dict)
+    """Where the round's forwards went: "prefill" (the prompt, exact and AR modes), "plan" (the first one
+    carries the prompt), "verify", "complete" (parallel completion, KV recompute), "decode" (AR)."""
+    fused_plan: bool = False
+    """Whether the round's plan rode on the previous round's last forward (it cost no forward of its own)."""
+    drafted: int = 0
+    """speculative: drafted tokens verified in the round's forward."""
+    accepted: int = 0
+    """speculative: drafted tokens accepted (the round also commits the model's own next token)."""
+
+    @property
+    def tokens(self) -> int:
+        """Tokens committed in the round (`committed` is a list of slots with `tokens`)."""
+        return sum(len(s.tokens) for s in self.committed)
+
+
 @dataclass
-class RoundTrace:
+class RoundTrace(RoundAccounting):
     """What one round of decoding did for one sequence (docs/DECODING.md, paper §3)."""
 
     index: int
@@ -38,21 +59,6 @@ class RoundTrace:
     """Forward passes spent in this round (the first round includes the prompt)."""
     finished: bool = False
     """Whether EOS was committed in this round."""
-    phase_forwards: dict[str, int] = field(default_factory=dict)
-    """Where this round's forwards went: "prefill" (the prompt, exact and AR modes), "plan" (the first one
-    carries the prompt), "verify", "complete" (parallel completion, KV recompute), "decode" (AR)."""
-    fused_plan: bool = False
-    """Whether this round's plan rode on the previous round's last forward (it cost no forward of its own)."""
-    drafted: int = 0
-    """speculative: drafted tokens verified in this round's forward."""
-    accepted: int = 0
-    """speculative: drafted tokens accepted (the round also commits the model's own next token)."""
-
-    @property
-    def tokens(self) -> int:
-        """Tokens committed in this round."""
-        return sum(len(s.tokens) for s in self.committed)
-
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

@@ -255,7 +255,7 @@ def refusion_program(seq: Sequence) -> Program:
                     next_plan = fused_logits
                 seq.record(RoundTrace(seq.stats.rounds, block, masked_slots, planned,
                                       _slot_events(starts[:n], committed), "fast_accept", sum(phases.values()),
-                                      accept.eos, phases, fused))
+                                      accept.eos, phase_forwards=phases, fused_plan=fused))
                 continue
 
             # 4. parallel completion: one row per selected slot, sharing the context KV
@@ -284,7 +284,7 @@ def refusion_program(seq: Sequence) -> Program:
                 next_plan = fused_logits
             seq.record(RoundTrace(seq.stats.rounds, block, masked_slots, planned,
                                   _slot_events(starts[: rows.shape[0]], committed), "parallel_completion",
-                                  sum(phases.values()), eos_row is not None, phases, fused))
+                                  sum(phases.values()), eos_row is not None, phase_forwards=phases, fused_plan=fused))
         if finished:
             break
     seq.finish("eos" if finished else "length")
@@ -375,7 +375,7 @@ def speculative_program(seq: Sequence) -> Program:
             eos = bool(seq.is_eos(token))
             seq.commit(token, torch.tensor([position], device=device), cached=False)
             seq.record(RoundTrace(seq.stats.rounds, 0, [], [], [SlotEvent(position, token.tolist())],
-                                  "speculative", sum(phases.values()), eos, phases))
+                                  "speculative", sum(phases.values()), eos, phase_forwards=phases))
             seq.finish("eos" if eos else "length")
             return
         phases["verify"] = phases.get("verify", 0) + 1
@@ -409,7 +409,7 @@ def speculative_program(seq: Sequence) -> Program:
         seq.record(RoundTrace(seq.stats.rounds, 0, [],
                               [SlotEvent(position + 1, drafts.tokens.tolist())] if n else [],
                               [SlotEvent(position, tokens.tolist())], "speculative", sum(phases.values()), done,
-                              phases, False, n, min(accepted, tokens.numel() - 1)))
+                              phase_forwards=phases, drafted=n, accepted=min(accepted, tokens.numel() - 1)))
         phases = {}
         position += accepted + 1
         if done or position == end:
@@ -442,7 +442,7 @@ def autoregressive_program(seq: Sequence) -> Program:
             logits = yield Forward(token, position, torch.zeros_like(position))
         seq.commit(token, position, cached=not last)  # the last token needs no forward
         seq.record(RoundTrace(seq.stats.rounds, 0, [], [], [SlotEvent(int(position), token.tolist())],
-                              "autoregressive", 1, eos, {"prefill" if i == 0 else "decode": 1}))
+                              "autoregressive", 1, eos, phase_forwards={"prefill" if i == 0 else "decode": 1}))
         if last:
             seq.finish("eos" if eos else "length")
             return

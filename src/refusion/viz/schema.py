@@ -26,6 +26,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from refusion.decode.outputs import RoundAccounting
+
 FORMAT = "refusion-trace"
 VERSION = 2
 HOWS = ("fast_accept", "parallel_completion", "speculative", "autoregressive")
@@ -49,9 +51,11 @@ class SlotRecord:
 
 
 @dataclass
-class RoundRecord:
+class RoundRecord(RoundAccounting):
     """One round of decoding (docs/DECODING.md); for the AR strategy, one token; for the speculative
-    strategy, one verify forward (its drafts are `planned`, the tokens it accepted `committed`)."""
+    strategy, one verify forward (its drafts are `planned`, the tokens it accepted `committed`). The
+    accounting fields (`phase_forwards`, `fused_plan`, `drafted`, `accepted`) come from version 2 on; version-1
+    files give their defaults."""
 
     index: int
     """Round number, from 0."""
@@ -69,20 +73,6 @@ class RoundRecord:
     """Slots committed in the round, in commit order (cut after EOS)."""
     finished: bool = False
     """Whether EOS was committed in this round."""
-    phase_forwards: dict[str, int] = field(default_factory=dict)
-    """Where the round's forwards went: "prefill", "plan", "verify", "complete", "decode" (version 2; empty in
-    version-1 files)."""
-    fused_plan: bool = False
-    """Whether the round's plan rode on the previous round's last forward (it cost no forward of its own)."""
-    drafted: int = 0
-    """speculative: drafted tokens verified in the round's forward."""
-    accepted: int = 0
-    """speculative: drafted tokens accepted (the round also commits the model's own next token)."""
-
-    @property
-    def tokens(self) -> int:
-        """Tokens committed in the round."""
-        return sum(len(s.tokens) for s in self.committed)
 
 
 @dataclass
@@ -152,9 +142,9 @@ def round_record(rnd, texts) -> RoundRecord:
 
     return RoundRecord(rnd.index, rnd.block, rnd.how, rnd.forwards, list(rnd.masked_slots),
                        slots(rnd.planned), slots(rnd.committed), bool(rnd.finished),
-                       {k: int(v) for k, v in getattr(rnd, "phase_forwards", {}).items()},
-                       bool(getattr(rnd, "fused_plan", False)), int(getattr(rnd, "drafted", 0)),
-                       int(getattr(rnd, "accepted", 0)))
+                       phase_forwards={k: int(v) for k, v in getattr(rnd, "phase_forwards", {}).items()},
+                       fused_plan=bool(getattr(rnd, "fused_plan", False)), drafted=int(getattr(rnd, "drafted", 0)),
+                       accepted=int(getattr(rnd, "accepted", 0)))
 
 
 def build_trace(output, tokenizer, prompts: list[str], input_ids: list[list[int]], cfg,
