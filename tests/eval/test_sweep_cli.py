@@ -77,11 +77,11 @@ def test_eval_command(cli, capsys, tiny_dir, tmp_path, data_dir):
     doc = json.loads(out.read_text())
     assert set(doc["results"]) == {"gsm8k", "math500"}
     for task in doc["results"].values():
-        assert set(task) == {"refusion", "autoregressive"}
+        assert set(task) == {"refusion", "speculative", "autoregressive"}  # the default strategies
         assert {"accuracy", "n", "tokens_per_second", "tokens_per_forward", "mean_generated_length",
                 "latency_seconds", "config"} <= set(task["refusion"])
     assert {"versions", "cpu", "platform"} <= set(doc["environment"]) and doc["settings"]["limit"] == 2
-    assert len(samples.read_text().splitlines()) == 8
+    assert len(samples.read_text().splitlines()) == 12  # 2 tasks x 2 problems x 3 strategies
     table = capsys.readouterr().out
     assert "math500" in table and "autoregressive" in table
 

@@ -27,8 +27,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--task", action="append", required=True, metavar="TASK",
                    help="task to run (repeat or comma-separate for several)")
     _add_common(p)
-    p.add_argument("--strategy", default="refusion,autoregressive",
-                   help="comma-separated strategies, run on the same prompts (default: refusion,autoregressive)")
+    p.add_argument("--strategy", default="refusion,speculative,autoregressive",
+                   help="comma-separated strategies, run on the same prompts "
+                        "(default: refusion,speculative,autoregressive)")
     p.add_argument("--output", default=None, help="write the result document (JSON) here")
     p.add_argument("--samples", default=None, help="write one JSON line per example and strategy here")
     p.set_defaults(func=run_eval)
