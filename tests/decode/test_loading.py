@@ -82,7 +82,7 @@ def test_embedded_model_loads_offline_and_answers_with_its_preset():
     assert model.config.mask_token_id == tokenizer.convert_tokens_to_ids("<|mask|>") == 49152
     settings = refusion.default_decode_settings()
     assert settings == refusion.preset(embedded.PRESET_NAME)
-    ids = refusion.encode_prompts(tokenizer, ["What is 12 times 7?"])
+    ids = refusion.encode_prompts(tokenizer, ["What is 9 plus 8?"])  # the README's prompt
     out = refusion.generate(model, ids, refusion.DecodeConfig(**{**settings, "max_new_tokens": 128}))
     stats = out.stats.per_sequence[0]
     assert stats.finish_reason == "eos" and stats.tokens > 1  # a complete answer, ended by <|im_end|>

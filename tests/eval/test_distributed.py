@@ -30,8 +30,8 @@ def test_two_processes_merge_to_the_single_process_result(tiny_dir, tmp_path, da
         assert r.returncode == 0, r.stderr[-3000:]
         runs[world] = json.loads(out.read_text())
         samples = [json.loads(line) for line in (tmp_path / f"r{world}.jsonl").read_text().splitlines()]
-        assert [s["id"] for s in samples] == [str(i) for i in range(5)] * 2
+        assert [s["id"] for s in samples] == [str(i) for i in range(5)] * 3  # refusion, speculative, AR
     assert runs[2]["settings"]["processes"] == 2
-    for strategy in ("refusion", "autoregressive"):
+    for strategy in ("refusion", "speculative", "autoregressive"):
         one, two = runs[1]["results"]["gsm8k"][strategy], runs[2]["results"]["gsm8k"][strategy]
         assert (two["n"], two["tokens"], two["correct"]) == (one["n"], one["tokens"], one["correct"])
