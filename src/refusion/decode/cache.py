@@ -168,6 +168,8 @@ class SlotCache:
         if lower_upto is not None:
             lower = (owner >= 0) & (owner < query_group) & (self.pos[:, None, :total] <= lower_upto[:, :, None])
             visible |= lower & earlier
+        if not windowed:
+            return self._as_mask(visible)
         distance = self.pos[:, self.used:total, None] - self.pos[:, None, :total]  # [B, T, L] query - key position
         masks = {kind: self._as_mask(visible if window is None else visible & (distance < window))
                  for kind, window in self.windows.items()}

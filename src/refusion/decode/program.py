@@ -163,6 +163,16 @@ def _zeros(tokens: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(tokens)
 
 
+def _prefill(seq: Sequence, mask_positions: torch.Tensor, logits_from: int) -> Forward:
+    """The first forward of every mode: the prompt, then masks at `mask_positions` (none for AR), one group;
+    logits from `logits_from` on."""
+    prompt_positions = torch.arange(seq.prompt_length, device=seq.device)
+    if not mask_positions.numel():
+        return Forward(seq.prompt, prompt_positions, _zeros(seq.prompt), logits_from)
+    tokens = torch.cat([seq.prompt, _masks(seq, mask_positions)])
+    return Forward(tokens, torch.cat([prompt_positions, mask_positions]), _zeros(tokens), logits_from)
+
+
 def _with_masks(seq: Sequence, mask_positions: torch.Tensor, upto: int, request: Forward) -> Forward:
     """`request` plus masks at `mask_positions` as a new group reading every lower group's pending entries
     up to position `upto` (the fused plan: the next round's masks over everything the round may commit)."""
@@ -205,13 +215,10 @@ def refusion_program(seq: Sequence) -> Program:
             # 1. plan: draft every masked slot of the block on top of the context
             if next_plan is None:
                 mask_positions = slot_positions(slots)
-                masks = _masks(seq, mask_positions)
                 if first_round:
-                    request = Forward(torch.cat([seq.prompt, masks]),
-                                      torch.cat([torch.arange(prompt_length, device=device), mask_positions]),
-                                      torch.zeros(prompt_length + masks.numel(), dtype=torch.long, device=device),
-                                      logits_from=prompt_length)
+                    request = _prefill(seq, mask_positions, logits_from=prompt_length)
                 else:
+                    masks = _masks(seq, mask_positions)
                     request = Forward(masks, mask_positions, _zeros(masks))
                 next_plan = yield request
                 phases["plan"] += 1
@@ -361,18 +368,14 @@ def speculative_program(seq: Sequence) -> Program:
         for the token the AR logits give at `after` + 1 and drafts nothing)."""
         return torch.arange(after + 1, max(after + 1, min(after + 2 + draft_length, end)), device=device)
 
-    prompt_positions = torch.arange(prompt_length, device=device)
-    masks = draft_masks(prompt_length - 1)
-    logits = yield Forward(torch.cat([seq.prompt, _masks(seq, masks)]), torch.cat([prompt_positions, masks]),
-                           torch.zeros(prompt_length + masks.numel(), dtype=torch.long, device=device),
-                           logits_from=prompt_length - 1)
-    seq.commit(seq.prompt, prompt_positions)
+    logits = yield _prefill(seq, draft_masks(prompt_length - 1), logits_from=prompt_length - 1)
+    seq.commit(seq.prompt, torch.arange(prompt_length, device=device))
     token = next_token(logits[0], cfg.temperature, seq.generator)  # the token at `position`
     drafts = draft_tokens_from_masks(logits[2:], cfg.temperature, seq.generator)
     position, phases = prompt_length, {"prefill": 1}  # the first round also accounts for the prefill
     while True:
-        if bool(seq.is_eos(token)) or position == end - 1:  # the last token needs no forward
-            eos = bool(seq.is_eos(token))
+        eos = bool(seq.is_eos(token))
+        if eos or position == end - 1:  # the last token needs no forward
             seq.commit(token, torch.tensor([position], device=device), cached=False)
             seq.record(RoundTrace(seq.stats.rounds, 0, [], [], [SlotEvent(position, token.tolist())],
                                   "speculative", sum(phases.values()), eos, phase_forwards=phases))
@@ -385,18 +388,11 @@ def speculative_program(seq: Sequence) -> Program:
         chain_positions = torch.arange(position, position + n + 1, device=device)
         request = Forward(chain, chain_positions, _zeros(chain))
         branches = []  # (acceptance length, mask positions) of each chain of masks, in request order
-        if cfg.predraft:
-            for accepted in range(n, -1, -1):  # group n - accepted + 1 reads the chain up to its last accepted token
-                masks = draft_masks(position + accepted)
-                if masks.numel() > 1:
-                    request = request.with_branch(_masks(seq, masks), masks, n - accepted + 1, position + accepted)
-                    branches.append((accepted, masks))
-        else:
-            masks = draft_masks(position + n)
+        for length in range(n, -1, -1) if cfg.predraft else [n]:
+            masks = draft_masks(position + length)  # group n - length + 1 reads the chain up to its length-th draft
             if masks.numel() > 1:
-                request = Forward(torch.cat([chain, _masks(seq, masks)]), torch.cat([chain_positions, masks]),
-                                  _zeros(torch.cat([chain, masks])))
-                branches.append((n, masks))
+                request = request.with_branch(_masks(seq, masks), masks, n - length + 1, position + length)
+                branches.append((length, masks))
         logits = yield request
 
         accepted, following = accept_drafts(drafts, logits[: n + 1], cfg.temperature, seq.generator)
@@ -430,9 +426,8 @@ def autoregressive_program(seq: Sequence) -> Program:
     """The baseline: one token per forward on the same engine (greedy, or sampled at temperature > 0)."""
     cfg, device = seq.cfg, seq.device
     prompt_length = seq.prompt_length
-    positions = torch.arange(prompt_length, device=device)
-    logits = yield Forward(seq.prompt, positions, torch.zeros_like(positions), logits_from=prompt_length - 1)
-    seq.commit(seq.prompt, positions)
+    logits = yield _prefill(seq, torch.empty(0, dtype=torch.long, device=device), logits_from=prompt_length - 1)
+    seq.commit(seq.prompt, torch.arange(prompt_length, device=device))
     for i in range(cfg.max_new_tokens):
         token = next_token(logits[-1], cfg.temperature, seq.generator)
         position = torch.tensor([prompt_length + i], device=device)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from refusion.decode.infill import accepted_prefix
+
 
 @dataclass(frozen=True)
 class Drafts:
@@ -55,7 +57,7 @@ def accept_drafts(drafts: Drafts, ar_logits: torch.Tensor, temperature: float,
     n = drafts.tokens.numel()
     if temperature <= 0:
         predicted = ar_logits.argmax(-1)  # [d + 1]
-        accepted = int(torch.cumprod((drafts.tokens == predicted[:n]).long(), 0).sum())
+        accepted = int(accepted_prefix(drafts.tokens == predicted[:n]).sum())
         return accepted, predicted[accepted: accepted + 1]
     target = torch.softmax(ar_logits.float() / temperature, -1)  # [d + 1, V]
     if n == 0:
