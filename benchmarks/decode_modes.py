@@ -21,6 +21,7 @@ import torch
 from refusion.config import DecodeConfig, preset
 from refusion.data import boxed_prompt, default_data_dir, read_jsonl
 from refusion.decode.loop import generate
+from refusion.decode.outputs import add_counts
 from refusion.model.loading import encode_prompts, load
 
 
@@ -32,12 +33,6 @@ def modes(base: DecodeConfig, draft_lengths: list[int]) -> dict[str, DecodeConfi
     out["refusion_fused"] = base.replace(strategy="refusion", fused_plan=True)
     out["refusion_unfused"] = base.replace(strategy="refusion", fused_plan=False)
     return out
-
-
-def add(total: dict, key: str, counts: dict) -> None:
-    bucket = total.setdefault(key, {})
-    for name, n in counts.items():
-        bucket[name] = bucket.get(name, 0) + n
 
 
 def main() -> None:
@@ -75,8 +70,8 @@ def main() -> None:
             t["seconds"] += s.seconds
             t["drafted"] += s.drafted
             t["accepted"] += s.accepted
-            add(t, "phase_forwards", s.phase_forwards)
-            add(t, "committed_by", s.committed_by)
+            add_counts(t.setdefault("phase_forwards", {}), s.phase_forwards)
+            add_counts(t.setdefault("committed_by", {}), s.committed_by)
             if name == "autoregressive":
                 ar_outputs.append(out.sequences[0])
             elif "autoregressive" in chosen:

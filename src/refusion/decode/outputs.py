@@ -18,6 +18,13 @@ class SlotEvent:
     """Planning score (confidence of the first drafted token), when planned."""
 
 
+def add_counts(total: dict[str, int], counts: dict[str, int]) -> dict[str, int]:
+    """Add `counts` into `total`, key by key (new keys in first-seen order); returns `total`."""
+    for key, n in counts.items():
+        total[key] = total.get(key, 0) + n
+    return total
+
+
 @dataclass(kw_only=True)
 class RoundAccounting:
     """Where a round's forwards went and, in the exact mode, how its drafts fared. Shared by the engine's
@@ -109,9 +116,8 @@ class SequenceStats(_Rates):
     def add_round(self, rnd: RoundTrace) -> None:
         """Account for one round."""
         self.rounds += 1
-        for phase, n in rnd.phase_forwards.items():
-            self.phase_forwards[phase] = self.phase_forwards.get(phase, 0) + n
-        self.committed_by[rnd.how] = self.committed_by.get(rnd.how, 0) + rnd.tokens
+        add_counts(self.phase_forwards, rnd.phase_forwards)
+        add_counts(self.committed_by, {rnd.how: rnd.tokens})
         self.drafted += rnd.drafted
         self.accepted += rnd.accepted
 

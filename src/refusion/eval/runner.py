@@ -30,6 +30,7 @@ from pathlib import Path
 
 from refusion.config import STRATEGIES, DecodeConfig, layered_config
 from refusion.config import preset as named_preset
+from refusion.decode.outputs import add_counts
 from refusion.eval.tasks import (
     Example,
     ScoreOptions,
@@ -231,8 +232,7 @@ def _add_counts(counts) -> dict[str, int]:
     """Key-wise sum of count dicts (keys in first-seen order, zero counts left out)."""
     total: dict[str, int] = {}
     for c in counts:
-        for key, n in c.items():
-            total[key] = total.get(key, 0) + n
+        add_counts(total, c)
     return {k: n for k, n in total.items() if n}
 
 

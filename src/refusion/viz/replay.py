@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from refusion.decode.outputs import add_counts
 from refusion.viz.schema import HOWS, PHASES, RoundRecord, SequenceTrace
 
 MASKED, HIDDEN, DROPPED = "masked", "hidden", "dropped"
@@ -124,7 +125,7 @@ def round_counts(seq: SequenceTrace) -> dict[str, dict[str, int]]:
     counts = {how: {"rounds": 0, "tokens": 0} for how in HOWS}
     for rnd in seq.rounds:
         counts[rnd.how]["rounds"] += 1
-        counts[rnd.how]["tokens"] += sum(len(s.tokens) for s in rnd.committed)
+        counts[rnd.how]["tokens"] += rnd.tokens
     return counts
 
 
@@ -144,8 +145,7 @@ def phase_totals(seq: SequenceTrace) -> dict[str, int]:
         return dict(seq.stats["phase_forwards"])
     totals: dict[str, int] = {}
     for rnd in seq.rounds:
-        for phase, n in rnd.phase_forwards.items():
-            totals[phase] = totals.get(phase, 0) + n
+        add_counts(totals, rnd.phase_forwards)
     return totals
 
 
