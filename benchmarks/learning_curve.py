@@ -1,4 +1,4 @@
-"""Accuracy and tokens per forward of ReFusion and AR decoding at several checkpoints of a training run.
+"""Accuracy and tokens per forward of each decoding strategy at several checkpoints of a training run.
 
 Each MODEL is anything `refusion.load` takes: a model directory, or an adapter directory such as
 runs/x/checkpoints/step-0000100/adapter of a LoRA run. Every checkpoint decodes the same first N problems of
@@ -7,7 +7,8 @@ size (decoding a batch equals decoding one prompt at a time), so the curve is me
 tokens/s is printed but is not the batch-1 figure. One JSON line per checkpoint, then a markdown table.
 
     python benchmarks/learning_curve.py runs/a/checkpoints/step-0000200/adapter runs/a/adapter \
-        --task gsm8k --limit 50 --batch-size 16 --preset refusion-smol --label "teacher 200" --label "teacher 400"
+        --task gsm8k --limit 50 --batch-size 16 --preset refusion-smol --label "teacher 200" --label "teacher 400" \
+        [--strategies refusion,speculative,autoregressive]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from refusion.eval.runner import EvalSettings, evaluate
 
 def curve_point(path: str, args: argparse.Namespace) -> dict:
     model, tokenizer = refusion.load(path, dtype=args.dtype)
-    settings = EvalSettings(tasks=[args.task], strategies=["refusion", "autoregressive"], limit=args.limit,
+    settings = EvalSettings(tasks=[args.task], strategies=args.strategies.split(","), limit=args.limit,
                             batch_size=args.batch_size, preset=args.preset, max_new_tokens=args.max_new_tokens,
                             progress=False)
     results = evaluate(model, tokenizer, settings)["results"][args.task]
@@ -39,6 +40,7 @@ def main() -> None:
     parser.add_argument("--preset", default=None, help="decoding preset (default: the task's)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--dtype", default=None)
+    parser.add_argument("--strategies", default="refusion,speculative,autoregressive")
     args = parser.parse_args()
     labels = args.label or args.models
     if len(labels) != len(args.models):
@@ -48,13 +50,14 @@ def main() -> None:
         point = {"label": label, "model": path, **curve_point(path, args)}
         rows.append(point)
         print(json.dumps(point), flush=True)
-    print(f"\n| checkpoint | ReFusion acc. | ReFusion TPF | AR acc. | ReFusion / AR mean length |  (first {args.limit})")
-    print("|---|---|---|---|---|")
+    strategies = args.strategies.split(",")
+    print(f"\n(first {args.limit} of {args.task})\n| checkpoint | " + " | ".join(
+        f"{s} acc. | {s} TPF | {s} length" for s in strategies) + " |")
+    print("|---|" + "---|---|---|" * len(strategies))
     for r in rows:
-        f, a = r["refusion"], r["autoregressive"]
-        print(f"| {r['label']} | {100 * f['accuracy']:.1f} % | {f['tokens_per_forward']:.2f} | "
-              f"{100 * a['accuracy']:.1f} % | {f['mean_generated_length']:.0f} / {a['mean_generated_length']:.0f} |")
-
+        print(f"| {r['label']} | " + " | ".join(
+            f"{100 * r[s]['accuracy']:.1f} % | {r[s]['tokens_per_forward']:.2f} | {r[s]['mean_generated_length']:.0f}"
+            for s in strategies) + " |")
 
 if __name__ == "__main__":
     main()

@@ -20,7 +20,7 @@ mkdir -p "$OUT" "$(dirname "$PACKED")"
 
 # 1. the base model's greedy answers, one JSON line per prompt, in the mix's order (resumable)
 refusion generate --model smollm2 --strategy autoregressive --input distill-mix ${LIMIT:+--limit "$LIMIT"} \
-  --max-new-tokens 384 --batch-size 8 --output "$OUT/answers.jsonl"
+  --max-new-tokens 384 --batch-size ${BATCH:-32} --output "$OUT/answers.jsonl"
 
 # 2. keep the answers that ended with EOS (those cut at the length limit teach no ending), as training records
 #    {"query", "response", "origin"}, gzip-compressed with a fixed timestamp (same answers, same bytes)

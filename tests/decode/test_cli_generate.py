@@ -132,3 +132,18 @@ def test_stats_line_says_where_the_forwards_went(model_dir, capsys):
                  "--block-size", "4", "--no-chat"]) == 0
     stats = capsys.readouterr().out.strip().splitlines()[-1]
     assert stats.startswith("[refusion | tokens ") and "(plan " in stats
+
+
+def test_generate_from_file_batches_continuously_and_writes_in_input_order(model_dir, tmp_path):
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("\n".join(json.dumps({"prompt": "word " * (1 + 3 * (i % 4)) + str(i)}) for i in range(7)) + "\n")
+    responses = {}
+    for batch_size in (1, 3):  # with 3, newcomers join while older prompts are still decoding
+        target = tmp_path / f"greedy-{batch_size}.jsonl"
+        assert main(["generate", "--model", model_dir, "--input", str(source), "--output", str(target),
+                     "--batch-size", str(batch_size), "--max-new-tokens", "10", "--strategy", "autoregressive",
+                     "--dtype", "float32"]) == 0
+        records = [json.loads(line) for line in target.read_text().splitlines()]
+        assert [r["query"] for r in records] == [json.loads(line)["prompt"] for line in source.read_text().splitlines()]
+        responses[batch_size] = [r["response"] for r in records]
+    assert responses[3] == responses[1]

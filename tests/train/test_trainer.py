@@ -179,3 +179,49 @@ def test_lora_adapters_load_as_models_and_seed_a_new_run(tiny_dir, data_file, tm
         _config(tiny_dir, data_file, tmp_path / "d", lora=True, lora_init=str(tmp_path))
     with pytest.raises(ValueError, match="needs --lora"):
         _config(tiny_dir, data_file, tmp_path / "d", lora_init=str(tmp_path / "a" / "adapter"))
+
+
+def test_mask_gated_adapter_keeps_the_base_ar_path_and_drafts_with_the_adapter(tiny_dir, data_file, tmp_path):
+    import refusion
+    from refusion.config import DecodeConfig
+    from refusion.model.adapter import adapter_gate
+    from refusion.train.trainer import merge_adapter
+
+    run = tmp_path / "gated"
+    train(_config(tiny_dir, data_file, run, max_steps=3, save_every=3, lora=True, lora_rank=4, lr=3e-2,
+                  lora_gate="mask"))
+    assert adapter_gate(run / "adapter") == "mask" == adapter_gate(run / "checkpoints" / "step-0000003" / "adapter")
+    assert not (run / "config.json").exists()  # never merged
+    base, _ = refusion.load(tiny_dir, dtype="float32", device="cpu")
+    gated, tokenizer = refusion.load(run / "adapter", dtype="float32", device="cpu")
+    mask = tokenizer.convert_tokens_to_ids("<|mask|>")
+    clean, masked = torch.tensor([[1, 5, 9, 12, 40]]), torch.tensor([[1, 5, 9, mask, mask]])
+    with torch.no_grad():
+        # clean tokens: the base's logits bit for bit (the mask itself is never predicted)
+        keep = torch.arange(base.config.vocab_size) != mask
+        assert torch.equal(gated(clean).logits[..., keep], base(clean).logits[..., keep])
+        assert torch.isneginf(gated(clean).logits[..., mask]).all()
+        # mask rows: the adapter's; rows before the masks: still the base's
+        gated_logits, base_logits = gated(masked).logits, base(masked).logits
+        assert torch.equal(gated_logits[:, :3, keep], base_logits[:, :3, keep])
+        assert not torch.allclose(gated_logits[:, 3:, keep], base_logits[:, 3:, keep])
+        # inference (index_add at the mask rows) computes what training computed (gated peft layers)
+        from peft import PeftModel
+
+        from refusion.model.adapter import gate_lora_at_masks
+        from refusion.model.prepare import add_mask_token
+
+        trained_base, trained_tokenizer = refusion.load(tiny_dir, dtype="float32", device="cpu")
+        add_mask_token(trained_base, trained_tokenizer)
+        trained = PeftModel.from_pretrained(trained_base, str(run / "adapter"))
+        gate_lora_at_masks(trained, mask)
+        torch.testing.assert_close(trained(masked).logits[..., keep], gated_logits[..., keep])
+    prompts = [[1, 5, 9], [2, 7, 7, 30, 11]]
+    ar = refusion.generate(base, prompts, DecodeConfig(strategy="autoregressive", max_new_tokens=24))
+    for cfg in (DecodeConfig(strategy="autoregressive", max_new_tokens=24),
+                DecodeConfig(strategy="speculative", draft_length=3, predraft=True, max_new_tokens=24)):
+        assert refusion.generate(gated, prompts, cfg).sequences == ar.sequences
+    with pytest.raises(ValueError, match="mask-gated"):
+        merge_adapter(run / "adapter", tmp_path / "merged")
+    with pytest.raises(ValueError, match="needs --lora"):
+        _config(tiny_dir, data_file, tmp_path / "d", lora_gate="mask")

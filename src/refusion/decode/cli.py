@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -25,7 +26,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--output", default=None, metavar="JSONL",
                    help='with --input: write {"query", "response", "origin", "stats"} lines here (the training data '
                         "format; origin is the prompt's file:line); an existing file is continued, never overwritten")
-    p.add_argument("--batch-size", type=int, default=8, help="with --input: prompts decoded together (default 8)")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="with --input: prompts decoding at once; new ones join when half have finished (default 8)")
     add_model_arguments(p)
     add_decode_arguments(p)
     p.add_argument("--no-chat", action="store_true", help="feed the prompt as is, without the chat template")
@@ -144,12 +146,17 @@ def count_done(output: str, prompts: list[tuple[str, str]]) -> int:
 
 
 def run_file(args: argparse.Namespace) -> int:
-    """Decode every prompt of --input in batches, appending one JSON line per prompt to --output.
+    """Decode every prompt of --input, appending one JSON line per prompt to --output, in --input's order.
 
-    Record i is sampled with seed + i (at temperature > 0 with --seed), whatever the batch it falls in, so a
-    resumed run writes what an uninterrupted one would have."""
-    from refusion.decode.loop import generate
+    Continuous batching: up to --batch-size prompts decode at once; whenever half of them have finished, as many
+    new prompts join (one wide prefill forward for the newcomers instead of one per prompt). Record i is sampled
+    with seed + i (at temperature > 0 with --seed), whatever its neighbours, so a resumed run writes what an
+    uninterrupted one would have."""
+    from tqdm import tqdm
+
+    from refusion.decode.loop import Decoder
     from refusion.model.loading import encode_prompts, load
+    from refusion.model.special_tokens import special_tokens_of
 
     if not (args.input and args.output):
         raise ValueError("--input and --output go together")
@@ -166,18 +173,29 @@ def run_file(args: argparse.Namespace) -> int:
         print(f"{args.output} already holds {done} responses for {len(prompts)} prompts: nothing to do")
         return 0
     model, tokenizer = load(args.model, dtype=args.dtype, device=args.device)
-    from tqdm import tqdm
-
+    ids = encode_prompts(tokenizer, [prompt for _, prompt in prompts[done:]], chat=not args.no_chat, system=args.system)
+    tokens = special_tokens_of(model).for_decoding(cfg)
+    decoder = Decoder(model)  # the cache grows (and compacts) as prompts come and go
+    waiting, index_of, answered, written = iter(range(done, len(prompts))), {}, {}, done
     with open(args.output, "a", encoding="utf-8") as out_file, tqdm(total=len(prompts), initial=done,
                                                                     desc="generate") as bar:
-        for start in range(done, len(prompts), args.batch_size):
-            batch = prompts[start:start + args.batch_size]
-            ids = encode_prompts(tokenizer, [prompt for _, prompt in batch], chat=not args.no_chat, system=args.system)
-            out = generate(model, ids, cfg if cfg.seed is None else cfg.replace(seed=cfg.seed + start))
-            for (origin, prompt), tokens, stats in zip(batch, out.sequences, out.stats.per_sequence):
-                text = tokenizer.decode(tokens, skip_special_tokens=True)
-                record = {"query": prompt, "response": text, "origin": origin, "stats": stats.to_dict()}
-                out_file.write(json.dumps(record) + "\n")
-            out_file.flush()
-            bar.update(len(batch))
+        while True:
+            if len(decoder.live) <= args.batch_size // 2:
+                for i in itertools.islice(waiting, args.batch_size - len(decoder.live)):
+                    seq = decoder.add(ids[i - done], cfg, mask_token_id=tokens.mask_token_id,
+                                      eos_token_ids=list(tokens.eos_token_ids), index=i)
+                    index_of[seq.id] = i
+            if not decoder.live:
+                break
+            for seq in decoder.step():
+                answered[index_of.pop(seq.id)] = seq
+            while written in answered:  # records go out in --input's order
+                seq = answered.pop(written)
+                origin, prompt = prompts[written]
+                text = tokenizer.decode(seq.response(), skip_special_tokens=True)
+                out_file.write(json.dumps({"query": prompt, "response": text, "origin": origin,
+                                           "stats": seq.stats.to_dict()}) + "\n")
+                out_file.flush()
+                written += 1
+                bar.update(1)
     return 0

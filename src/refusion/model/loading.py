@@ -12,13 +12,13 @@ import contextlib
 import functools
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from refusion.model import build_cache, embedded
-from refusion.model.adapter import adapter_base, is_adapter_dir
+from refusion.model.adapter import adapter_base, adapter_gate, is_adapter_dir
 from refusion.model.special_tokens import attach_special_tokens, resolve_special_tokens
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -153,7 +153,13 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
 
 
 def _load_or_build(source: Source, dtype: torch.dtype, attn_implementation: str):
-    """(model, tokenizer) of a source: built, or read back from the cache when building is slow."""
+    """(model, tokenizer) of a source: built, or read back from the cache when building is slow. A mask-gated
+    adapter is not merged: its base comes from the cache and the adapter is attached (a second's work)."""
+    if source.adapter_dir is not None and adapter_gate(source.adapter_dir) == "mask":
+        from refusion.model.adapter import attach_gated_adapter
+
+        model, tokenizer = _load_or_build(replace(source, adapter_dir=None), dtype, attn_implementation)
+        return attach_gated_adapter(source.adapter_dir, model, tokenizer), tokenizer
     build = functools.partial(_build, source, dtype, attn_implementation)
     key = _cache_key(source, dtype)
     if key is None:

@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from refusion.config import field_docs
-from refusion.model.adapter import is_adapter_dir
+from refusion.model.adapter import LORA_GATES, is_adapter_dir
 
 __all__ = ["DEFAULT_SLOT_SIZES", "MIXED_PRECISION", "OBJECTIVES", "TrainConfig", "field_docs"]
 
@@ -117,9 +117,14 @@ class TrainConfig:
     """Start the LoRA weights (and the mask row) from a saved adapter directory, e.g. output/adapter of an
     earlier LoRA run on the same base, instead of a fresh adapter; its rank and targets are kept."""
 
+    lora_gate: str = "none"
+    """Where the LoRA update applies: "none" (every position; merged at load) or "mask" (only at positions whose
+    input is <|mask|>: clean tokens, hence AR decoding and verification, stay exactly the base model's; the
+    adapter only drafts. docs/TRAINING.md, "Mask-gated adapters")."""
+
     merge_lora: bool = True
     """After a LoRA run, also write the merged full model to the output directory (the adapter is always
-    saved in output/adapter)."""
+    saved in output/adapter). Ignored for a mask-gated adapter, which cannot be merged."""
 
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% slower)."""
@@ -203,6 +208,8 @@ class TrainConfig:
         _require(isinstance(self.lora_dropout, (int, float)) and 0 <= self.lora_dropout < 1,
                  "lora_dropout", self.lora_dropout, "must be in [0, 1)")
         _require(self.lora_init is None or self.lora, "lora_init", self.lora_init, "needs --lora")
+        _require(self.lora_gate in LORA_GATES, "lora_gate", self.lora_gate, f"must be one of {', '.join(LORA_GATES)}")
+        _require(self.lora_gate == "none" or self.lora, "lora_gate", self.lora_gate, "needs --lora")
         _require(self.lora_init is None or is_adapter_dir(self.lora_init),
                  "lora_init", self.lora_init, "must be an adapter directory (with adapter_config.json)")
         _require(self.resume is None or (isinstance(self.resume, str) and bool(self.resume)), "resume", self.resume,

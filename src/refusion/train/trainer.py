@@ -107,7 +107,7 @@ def save_checkpoint(accelerator, output: Path, state: TrainState, config: TrainC
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         if config.lora and objective is not None:
-            accelerator.unwrap_model(objective).model.save_pretrained(path / "adapter")
+            save_adapter(accelerator.unwrap_model(objective).model, path / "adapter", config)
         record = {"step": state.step, "tokens": state.tokens, "world_size": accelerator.num_processes,
                   "config": config.to_dict()}
         (path / TRAINER_STATE).write_text(json.dumps(record, indent=2))
@@ -144,16 +144,34 @@ def load_model_and_tokenizer(name: str):
 
 
 def apply_lora(model, config: TrainConfig, mask_token_id: int):
-    """Wrap in a peft LoRA model; the mask token's embedding row stays trainable (peft trainable tokens)."""
+    """Wrap in a peft LoRA model; the mask token's embedding row stays trainable (peft trainable tokens). With
+    `lora_gate="mask"` the LoRA update acts only at mask positions."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
+    from refusion.model.adapter import gate_lora_at_masks
+
     if config.lora_init is not None:
-        return PeftModel.from_pretrained(model, config.lora_init, is_trainable=True)
-    targets = config.lora_target_modules
-    targets = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
-    lora_config = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                             target_modules=targets, task_type="CAUSAL_LM", trainable_token_indices=[mask_token_id])
-    return get_peft_model(model, lora_config)
+        peft_model = PeftModel.from_pretrained(model, config.lora_init, is_trainable=True)
+    else:
+        targets = config.lora_target_modules
+        targets = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+        lora_config = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                                 target_modules=targets, task_type="CAUSAL_LM",
+                                 trainable_token_indices=[mask_token_id])
+        peft_model = get_peft_model(model, lora_config)
+    if config.lora_gate == "mask":
+        gate_lora_at_masks(peft_model, mask_token_id)
+    return peft_model
+
+
+def save_adapter(peft_model, directory: Path, config: TrainConfig, tokenizer=None) -> None:
+    """The adapter (peft format) and, for a mask-gated one, the file that says so (`refusion.load` reads both)."""
+    from refusion.model.adapter import write_adapter_gate
+
+    peft_model.save_pretrained(directory)
+    write_adapter_gate(directory, config.lora_gate)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
 
 
 def resolve_mixed_precision(choice: str) -> str:
@@ -388,9 +406,8 @@ def _save_final(config, accelerator, objective, tokenizer, output: Path) -> None
     model = accelerator.unwrap_model(objective).model
     if config.lora:
         if accelerator.is_main_process:
-            model.save_pretrained(output / "adapter")
-            tokenizer.save_pretrained(output / "adapter")
-            if config.merge_lora:
+            save_adapter(model, output / "adapter", config, tokenizer)
+            if config.merge_lora and config.lora_gate == "none":
                 model.merge_and_unload().save_pretrained(output)
                 tokenizer.save_pretrained(output)
         accelerator.wait_for_everyone()
@@ -409,9 +426,12 @@ def merge_adapter(adapter_dir: str | Path, output: str | Path, *, base: str | No
     `base` is the --model of the run (needed for .gguf bases); None reads it from the adapter config."""
     from transformers import AutoTokenizer
 
-    from refusion.model.adapter import adapter_base, attach_adapter
+    from refusion.model.adapter import adapter_base, adapter_gate, attach_adapter
 
     adapter_dir = Path(adapter_dir)
+    if adapter_gate(adapter_dir) != "none":
+        raise ValueError(f"{adapter_dir} is a mask-gated adapter: it acts only at mask positions and cannot be "
+                         "merged into the weights; load the adapter directory itself")
     base_model, _ = load_model_and_tokenizer(base or adapter_base(adapter_dir))
     tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
     merged = attach_adapter(adapter_dir, base_model, tokenizer)
