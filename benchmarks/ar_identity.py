@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import refusion
 from refusion.eval.runner import EvalSettings, evaluate
@@ -22,7 +23,7 @@ def ar_samples(path: str | None, args: argparse.Namespace, tasks: list[str], sam
     settings = EvalSettings(tasks=tasks, strategies=["autoregressive"], limit=args.limit,
                             batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, progress=False)
     document = evaluate(model, tokenizer, settings, samples_path=samples_path)
-    samples = [json.loads(line) for line in open(samples_path, encoding="utf-8")]
+    samples = [json.loads(line) for line in Path(samples_path).read_text(encoding="utf-8").splitlines()]
     return {"document": document, "samples": {(s["task"], s["id"]): s for s in samples}}
 
 
