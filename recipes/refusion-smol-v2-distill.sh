@@ -8,9 +8,9 @@
 #   bash recipes/refusion-smol-v2-distill.sh [OUTPUT_DIR]      (default runs/refusion-smol-v2-distill)
 #   LIMIT=N bash recipes/refusion-smol-v2-distill.sh ...       only the first N prompts of the mix (a trial run:
 #                                                              the set is then packed into OUTPUT_DIR, not recipes/)
-# The whole mix (16835 prompts, 2105 batches of 8) takes ~15 h on one CPU thread: a batch lasts as long as its
-# longest answer, ~25 s when one runs to the 384-token limit (docs/TRAINING.md, "Distilling from the base").
-# Where there is a CUDA GPU the same command uses it; LIMIT=N makes a prefix, which is still a mix.
+# Prompts decode 32 at a time, new ones joining as others finish (BATCH=N to change): ~4-5 s per prompt on a
+# 2-core AVX2 CPU in fp32, so the whole mix (16835 prompts) is ~20 h there (docs/TRAINING.md, "Distilling from
+# the base"). Where there is a CUDA GPU the same command uses it; LIMIT=N makes a prefix, which is still a mix.
 set -euo pipefail
 OUT=${1:-runs/refusion-smol-v2-distill}
 LIMIT=${LIMIT:-}

@@ -223,5 +223,12 @@ def test_mask_gated_adapter_keeps_the_base_ar_path_and_drafts_with_the_adapter(t
         assert refusion.generate(gated, prompts, cfg).sequences == ar.sequences
     with pytest.raises(ValueError, match="mask-gated"):
         merge_adapter(run / "adapter", tmp_path / "merged")
+    from refusion.cli import main as cli_main  # the shipped (bf16) copy is still mask-gated
+
+    assert cli_main(["export-adapter", str(run / "adapter"), str(tmp_path / "ship")]) == 0
+    assert adapter_gate(tmp_path / "ship") == "mask"
+    (tmp_path / "ship" / "refusion_adapter.json").write_text('{"lora_gate": "everywhere"}')
+    with pytest.raises(ValueError, match="lora_gate='everywhere'"):
+        refusion.load(tmp_path / "ship", dtype="float32", device="cpu")
     with pytest.raises(ValueError, match="needs --lora"):
         _config(tiny_dir, data_file, tmp_path / "d", lora_gate="mask")

