@@ -82,8 +82,14 @@ def test_embedded_model_loads_offline_and_answers_with_its_preset():
     assert model.config.mask_token_id == tokenizer.convert_tokens_to_ids("<|mask|>") == 49152
     settings = refusion.default_decode_settings()
     assert settings == refusion.preset(embedded.PRESET_NAME)
-    ids = refusion.encode_prompts(tokenizer, ["What is 9 plus 8?"])  # the README's prompt
+    ids = refusion.encode_prompts(tokenizer, ["Write a Python function that returns the square of a number."])  # the README's prompt
     out = refusion.generate(model, ids, refusion.DecodeConfig(**{**settings, "max_new_tokens": 128}))
     stats = out.stats.per_sequence[0]
     assert stats.finish_reason == "eos" and stats.tokens > 1  # a complete answer, ended by <|im_end|>
     assert out.sequences[0][-1] == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    # mask-gated adapter: AR decoding is the base model's own, and the exact mode gives the same answer
+    base, _ = refusion.load("smollm2", dtype=model.dtype, device="cpu")
+    ar = refusion.DecodeConfig(strategy="autoregressive", max_new_tokens=128)
+    assert refusion.generate(model, ids, ar).sequences == refusion.generate(base, ids, ar).sequences
+    if model.dtype == torch.float32:  # bf16 wide forwards may flip near-ties (docs/DECODING.md, Guarantees)
+        assert out.sequences == refusion.generate(model, ids, ar).sequences
