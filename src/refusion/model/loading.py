@@ -156,10 +156,10 @@ def _load_or_build(source: Source, dtype: torch.dtype, attn_implementation: str)
     """(model, tokenizer) of a source: built, or read back from the cache when building is slow. A mask-gated
     adapter is not merged: its base comes from the cache and the adapter is attached (a second's work)."""
     if source.adapter_dir is not None and adapter_gate(source.adapter_dir) == "mask":
-        from refusion.model.adapter import attach_gated_adapter
+        from refusion.model.adapter import attach_adapter
 
         model, tokenizer = _load_or_build(replace(source, adapter_dir=None), dtype, attn_implementation)
-        return attach_gated_adapter(source.adapter_dir, model, tokenizer), tokenizer
+        return attach_adapter(source.adapter_dir, model, tokenizer), tokenizer
     build = functools.partial(_build, source, dtype, attn_implementation)
     key = _cache_key(source, dtype)
     if key is None:
