@@ -1,4 +1,4 @@
-"""Accuracy and tokens per forward of each decoding strategy at several checkpoints of a training run.
+"""Accuracy, tokens per forward, draft acceptance and speed over AR of each decoding strategy at several checkpoints.
 
 Each MODEL is anything `refusion.load` takes: a model directory, or an adapter directory such as
 runs/x/checkpoints/step-0000100/adapter of a LoRA run. Every checkpoint decodes the same first N problems of
@@ -26,7 +26,8 @@ def curve_point(path: str, args: argparse.Namespace) -> dict:
                             batch_size=args.batch_size, preset=args.preset, max_new_tokens=args.max_new_tokens,
                             progress=False)
     results = evaluate(model, tokenizer, settings)["results"][args.task]
-    keys = ("accuracy", "tokens_per_forward", "mean_generated_length", "eos_rate", "tokens_per_second")
+    keys = ("accuracy", "tokens_per_forward", "mean_generated_length", "eos_rate", "tokens_per_second",
+            "draft_acceptance")
     return {strategy: {k: results[strategy][k] for k in keys} for strategy in settings.strategies}
 
 
@@ -51,13 +52,19 @@ def main() -> None:
         rows.append(point)
         print(json.dumps(point), flush=True)
     strategies = args.strategies.split(",")
-    print(f"\n(first {args.limit} of {args.task})\n| checkpoint | " + " | ".join(
-        f"{s} acc. | {s} TPF | {s} length" for s in strategies) + " |")
-    print("|---|" + "---|---|---|" * len(strategies))
+    baseline = "autoregressive" if "autoregressive" in strategies else None
+    print(f"\n(first {args.limit} of {args.task}; speed = tokens/s over {baseline or 'n/a'}'s, batched)\n| checkpoint | "
+          + " | ".join(f"{s} acc. | {s} TPF | {s} accepted | {s} speed" for s in strategies) + " |")
+    print("|---|" + "---|---|---|---|" * len(strategies))
     for r in rows:
-        print(f"| {r['label']} | " + " | ".join(
-            f"{100 * r[s]['accuracy']:.1f} % | {r[s]['tokens_per_forward']:.2f} | {r[s]['mean_generated_length']:.0f}"
-            for s in strategies) + " |")
+        print(f"| {r['label']} | " + " | ".join(_cells(r, s, baseline) for s in strategies) + " |")
+
+
+def _cells(row: dict, strategy: str, baseline: str | None) -> str:
+    m = row[strategy]
+    accepted = "-" if m["draft_acceptance"] is None else f"{100 * m['draft_acceptance']:.0f} %"
+    speed = f"{m['tokens_per_second'] / row[baseline]['tokens_per_second']:.2f}x" if baseline else "-"
+    return f"{100 * m['accuracy']:.1f} % | {m['tokens_per_forward']:.2f} | {accepted} | {speed}"
 
 if __name__ == "__main__":
     main()

@@ -105,7 +105,7 @@ class MaskGatedLoRA(nn.Module):
             return out
         masked = x.reshape(-1, x.shape[-1]).index_select(0, rows)
         delta = F.linear(F.linear(masked, self.lora_a), self.lora_b)
-        return out.reshape(-1, out.shape[-1]).index_add(0, rows, delta.to(out.dtype)).view(out.shape)
+        return out.reshape(-1, out.shape[-1]).index_add_(0, rows, delta.to(out.dtype)).view(out.shape)
 
 
 def gate_lora_at_masks(peft_model, mask_token_id: int) -> MaskRows:

@@ -19,6 +19,7 @@ import torch
 
 from refusion.model import build_cache, embedded
 from refusion.model.adapter import adapter_base, adapter_gate, is_adapter_dir
+from refusion.model.narrow import use_narrow_linears
 from refusion.model.special_tokens import attach_special_tokens, resolve_special_tokens
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -130,7 +131,8 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
         device: "cpu", "cuda", ...; None picks CUDA when available.
 
     The model's special tokens (`refusion.model.special_tokens.special_tokens_of(model)`) are resolved here,
-    once. GGUF and adapter sources are built once and then read from the disk cache (`build_cache.py`).
+    once. On a CPU where it is faster, the linear layers multiply weight-major in few-token forwards
+    (`refusion.model.narrow`). GGUF and adapter sources are built once and then read from the disk cache (`build_cache.py`).
     """
     device = torch.device(device) if device is not None else default_device()
     if isinstance(dtype, str):
@@ -144,6 +146,7 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
                          "cache, and the hub cannot be reached (this machine is offline)")
     model, tokenizer = _load_or_build(source, dtype, attn_implementation)
     model.to(device).eval()
+    use_narrow_linears(model)  # CPU: few-token forwards multiply weight-major where that is faster here
     tokens = resolve_special_tokens(model, tokenizer)
     if tokens.eos_token_ids:  # transformers' own `generate` (and a saved copy) stops where refusion does
         eos = tokens.eos_token_ids

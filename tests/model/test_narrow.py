@@ -1,0 +1,71 @@
+"""Weight-major linear layers for narrow CPU forwards: the same function, the same weights, the same decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import refusion
+from refusion.model import narrow
+from refusion.model.narrow import NarrowLinear, plain_linears, use_narrow_linears
+from refusion.model.tiny import tiny_model
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 1), (2, 3), (1, 5), (3, narrow.MAX_ROWS), (2, narrow.MAX_ROWS)])
+def test_narrow_linear_computes_the_linear_map_at_every_width(shape, bias):
+    torch.manual_seed(0)
+    layer = nn.Linear(24, 40, bias=bias)
+    x = torch.randn(*shape, 24)
+    expected = layer(x)
+    layer.__class__ = NarrowLinear
+    got = layer(x)
+    assert got.shape == expected.shape and got.is_contiguous()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_narrow_linear_keeps_autograd_and_the_state_dict():
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 6)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    layer.__class__ = NarrowLinear
+    x = torch.randn(3, 8, requires_grad=True)
+    layer(x).sum().backward()
+    assert x.grad is not None and layer.weight.grad is not None
+    torch.testing.assert_close(layer.weight.grad, torch.ones(6, 1) * x.detach().sum(0)[None])
+    assert layer.state_dict().keys() == before.keys()
+    assert all(torch.equal(layer.state_dict()[k], v) for k, v in before.items())
+    assert isinstance(layer, nn.Linear)  # peft and friends still see a linear layer
+
+
+def test_use_narrow_linears_switches_every_plain_linear_and_only_when_told_or_faster(monkeypatch):
+    model = tiny_model()
+    count = len(plain_linears(model))
+    assert count > 0
+    assert use_narrow_linears(model, force=False) == 0
+    monkeypatch.setattr(narrow, "PROBE_BYTES", 0)  # as if the tiny weights streamed from memory
+    monkeypatch.setattr(narrow, "weight_major_speedup", lambda layers: 1.0)  # the probe finds no gain
+    assert use_narrow_linears(model) == 0
+    assert not any(isinstance(m, NarrowLinear) for m in model.modules())
+    monkeypatch.setattr(narrow, "weight_major_speedup", lambda layers: 2.0)  # the probe finds weight-major faster
+    assert use_narrow_linears(model) == count
+    assert sum(isinstance(m, NarrowLinear) for m in model.modules()) == count
+    assert plain_linears(model) == []
+
+
+@pytest.mark.parametrize("strategy", ["autoregressive", "speculative", "refusion"])
+def test_decoding_with_narrow_linears_gives_the_same_tokens(strategy):
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [3, 4]]
+    cfg = refusion.DecodeConfig(max_new_tokens=24, strategy=strategy, draft_length=3, slot_size=4, block_size=8,
+                                eos_token_id=[])
+    plain = refusion.generate(tiny_model(), prompts, cfg)
+    model = tiny_model()
+    use_narrow_linears(model, force=True)
+    assert refusion.generate(model, prompts, cfg).sequences == plain.sequences
+
+
+def test_a_model_that_fits_in_a_cpu_cache_is_left_alone(monkeypatch):
+    monkeypatch.setattr(narrow, "weight_major_speedup", lambda layers: 9.0)
+    model = tiny_model()
+    assert use_narrow_linears(model) == 0  # no probe, no switch: a tiny model is never streamed from memory
