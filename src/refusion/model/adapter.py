@@ -20,8 +20,9 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from refusion.model.narrow import MAX_ROWS
 
 ADAPTER_CONFIG = "adapter_config.json"
 GATE_CONFIG = "refusion_adapter.json"
@@ -77,6 +78,8 @@ class MaskRows:
         """[B, S, 1] bool: which positions hold the mask token."""
         self.rows = None
         """Flat indices (into B * S) of those positions."""
+        self.narrow = False
+        """Whether the forward is narrow (at most MAX_ROWS positions): the update is then computed at every row."""
         self.handle = model.get_input_embeddings().register_forward_pre_hook(self._read)
 
     def _read(self, module, args, kwargs=None):
@@ -84,6 +87,7 @@ class MaskRows:
         is_mask = input_ids == self.mask_token_id
         self.dense = is_mask.unsqueeze(-1)
         self.rows = is_mask.reshape(-1).nonzero().squeeze(1)
+        self.narrow = is_mask.numel() <= MAX_ROWS
 
 
 class MaskGatedLoRA(nn.Module):
@@ -94,8 +98,8 @@ class MaskGatedLoRA(nn.Module):
         super().__init__()
         self.base_layer = base
         dtype = base.weight.dtype
-        self.register_buffer("lora_a", lora_a.to(dtype), persistent=False)  # [r, in]
-        self.register_buffer("lora_b", (lora_b * scaling).to(dtype), persistent=False)  # [out, r]
+        self.register_buffer("lora_a", lora_a.t().contiguous().to(dtype), persistent=False)  # [in, r]
+        self.register_buffer("lora_b", (lora_b * scaling).t().contiguous().to(dtype), persistent=False)  # [r, out]
         self.mask_rows = mask_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -103,9 +107,14 @@ class MaskGatedLoRA(nn.Module):
         rows = self.mask_rows.rows
         if rows is None or rows.numel() == 0:
             return out
-        masked = x.reshape(-1, x.shape[-1]).index_select(0, rows)
-        delta = F.linear(F.linear(masked, self.lora_a), self.lora_b)
-        return out.reshape(-1, out.shape[-1]).index_add_(0, rows, delta.to(out.dtype)).view(out.shape)
+        flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
+        if self.mask_rows.narrow:  # a few rows: fewer ops to update them all, times the 0/1 gate
+            low = torch.mm(flat_x, self.lora_a).mul_(self.mask_rows.dense.reshape(-1, 1))
+            flat_out.addmm_(low, self.lora_b)
+        else:
+            low = torch.mm(flat_x.index_select(0, rows), self.lora_a)
+            flat_out.index_add_(0, rows, torch.mm(low, self.lora_b))
+        return out
 
 
 def gate_lora_at_masks(peft_model, mask_token_id: int) -> MaskRows:
