@@ -209,6 +209,7 @@ def test_mask_gated_adapter_keeps_the_base_ar_path_and_drafts_with_the_adapter(t
         from peft import PeftModel
 
         from refusion.model.adapter import gate_lora_at_masks
+        from refusion.model.narrow import MAX_ROWS
         from refusion.model.prepare import add_mask_token
 
         trained_base, trained_tokenizer = refusion.load(tiny_dir, dtype="float32", device="cpu")
@@ -216,6 +217,9 @@ def test_mask_gated_adapter_keeps_the_base_ar_path_and_drafts_with_the_adapter(t
         trained = PeftModel.from_pretrained(trained_base, str(run / "adapter"))
         gate_lora_at_masks(trained, mask)
         torch.testing.assert_close(trained(masked).logits[..., keep], gated_logits[..., keep])
+        # a wide forward (past the narrow range, the update goes through index_add) computes the same
+        wide = masked.repeat(MAX_ROWS // masked.shape[1] + 1, 1)
+        torch.testing.assert_close(gated(wide).logits[-1:, :, keep], gated_logits[..., keep])
     prompts = [[1, 5, 9], [2, 7, 7, 30, 11]]
     ar = refusion.generate(base, prompts, DecodeConfig(strategy="autoregressive", max_new_tokens=24))
     for cfg in (DecodeConfig(strategy="autoregressive", max_new_tokens=24),

@@ -179,12 +179,12 @@ def attach_gated_adapter(adapter_dir: str | Path, model, tokenizer):
 
 def attach_adapter(adapter_dir: str | Path, model, tokenizer):
     """Add <|mask|> to the base and apply the adapter (LoRA + mask row): merged, or mask-gated."""
+    if adapter_gate(adapter_dir) == "mask":  # no peft needed (its import alone takes a noticeable part of a load)
+        return attach_gated_adapter(adapter_dir, model, tokenizer)
     from peft import PeftModel
 
     from refusion.model.prepare import add_mask_token
 
-    if adapter_gate(adapter_dir) == "mask":
-        return attach_gated_adapter(adapter_dir, model, tokenizer)
     add_mask_token(model, tokenizer)
     with warnings.catch_warnings():  # peft calls a transformers property deprecated in v5 (a FutureWarning)
         warnings.simplefilter("ignore", FutureWarning)

@@ -1,0 +1,130 @@
+"""Narrow forwards: plain `F.linear` vs weight-major `NarrowLinear` layers, on one model, in one run.
+
+1. Cost of one forward by width (new tokens over a 200-token cached context, half of them masks when the model
+   has a mask token), both kinds of layers timed back to back at every width.
+2. Decoding of the first N GSM8K test problems, batch 1: AR and the exact mode (draft lengths given) with both
+   kinds of layers, every configuration back to back on every prompt; tokens/s and the ratio to AR with the
+   same layers. Ends with one JSON line.
+
+    python benchmarks/narrow_forwards.py [--model PATH] [--prompts 3] [--max-new-tokens 96] [--draft-lengths 1,2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from refusion.config import DecodeConfig, preset
+from refusion.data import boxed_prompt, default_data_dir, read_jsonl
+from refusion.decode.loop import generate
+from refusion.model.loading import encode_prompts, load
+from refusion.model.narrow import NarrowLinear
+
+KINDS = {"plain": nn.Linear, "narrow": NarrowLinear}
+
+
+def set_linears(layers: list[nn.Linear], kind: str) -> None:
+    for layer in layers:
+        layer.__class__ = KINDS[kind]
+
+
+@torch.inference_mode()
+def forward_cost(model, layers, widths: list[int], repeats: int, context: int = 200) -> dict:
+    """Median milliseconds of a forward of each width, with each kind of linear layer."""
+    mask_id = getattr(model.config, "mask_token_id", None)
+    generator = torch.Generator().manual_seed(0)
+    cache = DynamicCache()
+    model(input_ids=torch.randint(100, 10000, (1, context), generator=generator), past_key_values=cache)
+    times = {kind: {w: [] for w in widths} for kind in KINDS}
+    for _ in range(repeats):
+        for width in widths:
+            ids = torch.randint(100, 10000, (1, width), generator=generator)
+            if mask_id is not None:
+                ids[0, width - width // 2:] = mask_id
+            positions = torch.arange(context, context + width)[None]
+            for kind in KINDS:
+                set_linears(layers, kind)
+                start = time.perf_counter()
+                model(input_ids=ids, position_ids=positions, past_key_values=cache, logits_to_keep=width)
+                times[kind][width].append(1000 * (time.perf_counter() - start))
+                cache.crop(-width)
+    return {kind: {w: statistics.median(t) for w, t in by_width.items()} for kind, by_width in times.items()}
+
+
+def decoding(model, layers, prompts: list[list[int]], configs: dict[str, DecodeConfig]) -> dict:
+    """Tokens, forwards and seconds of each (kind, mode), every one run back to back on every prompt."""
+    totals = {(kind, mode): {"tokens": 0, "forwards": 0, "seconds": 0.0} for kind in KINDS for mode in configs}
+    outputs = {}
+    for i, prompt in enumerate(prompts):
+        print(f"prompt {i + 1}/{len(prompts)}", flush=True)
+        for kind in KINDS:
+            set_linears(layers, kind)
+            for mode, cfg in configs.items():
+                start = time.perf_counter()
+                out = generate(model, [prompt], cfg)
+                total = totals[kind, mode]
+                total["seconds"] += time.perf_counter() - start
+                total["tokens"] += out.stats.batch.tokens
+                total["forwards"] += out.stats.batch.forwards
+                outputs[kind, mode, i] = out.sequences[0]
+    results = {}
+    for (kind, mode), total in totals.items():
+        total["tokens_per_second"] = total["tokens"] / total["seconds"]
+        total["tokens_per_forward"] = total["tokens"] / total["forwards"]
+        results.setdefault(kind, {})[mode] = total
+    for kind, by_mode in results.items():
+        for mode, total in by_mode.items():
+            total["speed_vs_ar_same_layers"] = total["tokens_per_second"] / by_mode["autoregressive"]["tokens_per_second"]
+            total["identical_to_ar"] = sum(outputs[kind, mode, i] == outputs[kind, "autoregressive", i]
+                                           for i in range(len(prompts)))
+    results["same_tokens_plain_and_narrow"] = all(outputs["plain", m, i] == outputs["narrow", m, i]
+                                                  for m in configs for i in range(len(prompts)))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="model path or name (default: the embedded model)")
+    parser.add_argument("--prompts", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--draft-lengths", default="1,2")
+    parser.add_argument("--widths", default="1,2,3,4,6,8,12,16")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--dtype", default=None)
+    args = parser.parse_args()
+
+    model, tokenizer = load(args.model, dtype=args.dtype)
+    layers = [m for m in model.modules() if type(m) in KINDS.values()]
+    widths = [int(w) for w in args.widths.split(",")]
+    cost = forward_cost(model, layers, widths, args.repeats)
+    print("width " + " ".join(f"{w:>6}" for w in widths))
+    for kind, by_width in cost.items():
+        print(f"{kind:6s}" + " ".join(f"{by_width[w]:6.0f}" for w in widths) + "  ms")
+
+    problems = read_jsonl(default_data_dir() / "gsm8k" / "test.jsonl")[: args.prompts]
+    prompts = encode_prompts(tokenizer, [boxed_prompt(p["question"]) for p in problems])
+    base = DecodeConfig(**preset("refusion-smol"), max_new_tokens=args.max_new_tokens)
+    configs = {"autoregressive": base.replace(strategy="autoregressive")}
+    for d in (int(x) for x in args.draft_lengths.split(",")):
+        configs[f"exact_d{d}"] = base.replace(strategy="speculative", draft_length=d, predraft=False)
+    results = decoding(model, layers, prompts, configs)
+    for kind in KINDS:
+        for mode, r in results[kind].items():
+            print(f"{kind:6s} {mode:15s} {r['tokens_per_second']:5.1f} tok/s  TPF {r['tokens_per_forward']:.2f}  "
+                  f"x{r['speed_vs_ar_same_layers']:.2f} AR  identical {r['identical_to_ar']}/{len(prompts)}")
+    print(json.dumps({"benchmark": "narrow_forwards", "model": args.model or "refusion-smol", "dtype": str(model.dtype),
+                      "layers": len(layers), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                      "machine": platform.machine(), "forward_ms": cost, "decoding": results,
+                      "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+                      "time": time.strftime("%Y-%m-%dT%H:%M:%S")}))
+
+
+if __name__ == "__main__":
+    main()
