@@ -69,3 +69,13 @@ def test_a_model_that_fits_in_a_cpu_cache_is_left_alone(monkeypatch):
     monkeypatch.setattr(narrow, "weight_major_speedup", lambda layers: 9.0)
     model = tiny_model()
     assert use_narrow_linears(model) == 0  # no probe, no switch: a tiny model is never streamed from memory
+
+
+def test_the_probe_times_both_forms_and_leaves_the_global_random_state_alone():
+    layers = plain_linears(tiny_model())
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    speedup = narrow.weight_major_speedup(layers)
+    assert speedup > 0
+    assert torch.equal(torch.rand(3), expected)

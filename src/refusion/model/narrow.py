@@ -52,10 +52,12 @@ def weight_major_speedup(layers: list[nn.Linear], rows: int = PROBE_ROWS, repeat
     """Time of x @ W.T over time of (W @ x.T).T, for `rows` rows through every layer in turn (the weights
     stream from memory as in a forward; one matrix alone would sit in cache). Median of interleaved repeats."""
     inputs = {}
+    generator = torch.Generator(layers[0].weight.device).manual_seed(0)  # the caller's random state is left alone
     for layer in layers:
         key = (layer.in_features, layer.weight.dtype)
         if key not in inputs:
-            inputs[key] = torch.randn(rows, layer.in_features, dtype=layer.weight.dtype, device=layer.weight.device)
+            inputs[key] = torch.randn(rows, layer.in_features, generator=generator, device=layer.weight.device).to(
+                layer.weight.dtype)
     plain, major = [], []
     for _ in range(repeats):
         for products, form in ((plain, _plain_product), (major, _weight_major_product)):
