@@ -51,6 +51,8 @@ def plain_linears(model: nn.Module) -> list[nn.Linear]:
 def weight_major_speedup(layers: list[nn.Linear], rows: int = PROBE_ROWS, repeats: int = 3) -> float:
     """Time of x @ W.T over time of (W @ x.T).T, for `rows` rows through every layer in turn (the weights
     stream from memory as in a forward; one matrix alone would sit in cache). Median of interleaved repeats."""
+    if not layers:
+        raise ValueError("weight_major_speedup needs at least one linear layer to time")
     inputs = {}
     generator = torch.Generator(layers[0].weight.device).manual_seed(0)  # the caller's random state is left alone
     for layer in layers:
