@@ -148,8 +148,8 @@ PRESETS: dict[str, dict] = {
     "gpqa": dict(slot_size=8, slot_threshold=0.8, token_threshold=0.2, block_size=16),
     "humaneval": dict(slot_size=32, slot_threshold=0.9, token_threshold=0.4, block_size=128),
     "mbpp": dict(slot_size=32, slot_threshold=0.9, token_threshold=0.3, block_size=128),
-    # the exact mode with one draft per forward: the fastest of d 1-3, with and without pre-drafts, on the CPU
-    # where refusion-smol v2 was measured (docs/BENCHMARKS.md, "Narrow forwards")
+    # the exact mode with one draft per forward: the fastest over three runs of d 1-3, with and without pre-drafts,
+    # on the CPU where refusion-smol v2 was measured (docs/BENCHMARKS.md, "Narrow forwards")
     "refusion-smol": dict(strategy="speculative", draft_length=1, predraft=False,
                           slot_size=8, slot_threshold=0.7, token_threshold=0.3, block_size=16),
 }
