@@ -75,6 +75,14 @@ def test_embedded_adapter_fits_the_package_budget():
     assert shipped <= 30 * 2**20  # the package budget for shipped weights
 
 
+@pytest.mark.skipif(not embedded.embedded_available(), reason="this build ships no embedded model")
+def test_embedded_adapter_names_a_base_every_machine_has():
+    from refusion.model.adapter import ADAPTER_CONFIG, adapter_base
+
+    recorded = json.loads((embedded.ADAPTER_DIR / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
+    assert recorded == adapter_base(embedded.ADAPTER_DIR) == "smollm2"  # not a path of the machine it was made on
+
+
 @pytest.mark.slow  # loads SmolLM2-135M and decodes 128 tokens
 @pytest.mark.skipif(not embedded.embedded_available(), reason="this build ships no embedded model")
 def test_embedded_model_loads_offline_and_answers_with_its_preset():

@@ -117,6 +117,27 @@ def test_lora_trains_adapter_and_mask_row_and_merges(tiny_dir, data_file, tmp_pa
     assert not torch.allclose(merged.model.layers[0].self_attn.q_proj.weight, q_base)  # LoRA merged in
 
 
+def test_an_adapter_records_its_base_as_the_run_named_it(tiny_dir, data_file, tmp_path, monkeypatch):
+    """A base that was built (a GGUF file, read back from this machine's build cache) is recorded as the run
+    named it, so that the adapter loads on another machine."""
+    from peft import LoraConfig, get_peft_model
+
+    from refusion.model.adapter import adapter_base
+    from refusion.model.tiny import tiny_model
+    from refusion.train.trainer import save_adapter
+
+    model = tiny_model()
+    model.config.name_or_path = str(tmp_path / "build-cache" / "base-float32-0123")  # where it was read from
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    save_adapter(peft_model, tmp_path / "by-path", _config(tiny_dir, data_file, tmp_path / "run"))
+    assert adapter_base(tmp_path / "by-path") == str(Path(tiny_dir).resolve())
+    monkeypatch.chdir(Path(tiny_dir).parent)  # a relative path is recorded absolute
+    save_adapter(peft_model, tmp_path / "relative", _config(Path(tiny_dir).name, data_file, tmp_path / "run"))
+    assert adapter_base(tmp_path / "relative") == str(Path(tiny_dir).resolve())
+    save_adapter(peft_model, tmp_path / "by-alias", _config("smollm2", data_file, tmp_path / "run"))
+    assert adapter_base(tmp_path / "by-alias") == "smollm2"
+
+
 def _run(argv, env_extra=None, timeout=300):
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", **(env_extra or {})}
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)

@@ -165,9 +165,15 @@ def apply_lora(model, config: TrainConfig, mask_token_id: int):
 
 
 def save_adapter(peft_model, directory: Path, config: TrainConfig, tokenizer=None) -> None:
-    """The adapter (peft format) and, for a mask-gated one, the file that says so (`refusion.load` reads both)."""
+    """The adapter (peft format, its base recorded as `config.model`) and, for a mask-gated one, the file that says
+    so (`refusion.load` reads both)."""
     from refusion.model.adapter import write_adapter_gate
 
+    # the base as the run named it ("smollm2", a directory, a hub id), not the path it was read from (for a
+    # GGUF base, a directory of this machine's build cache): the adapter then loads on any machine
+    base = str(Path(config.model).resolve()) if os.path.exists(config.model) else config.model
+    for adapter_config in peft_model.peft_config.values():
+        adapter_config.base_model_name_or_path = base
     peft_model.save_pretrained(directory)
     write_adapter_gate(directory, config.lora_gate)
     if tokenizer is not None:
