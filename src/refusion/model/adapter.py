@@ -78,8 +78,6 @@ class MaskRows:
         """[B, S, 1] bool: which positions hold the mask token."""
         self.rows = None
         """Flat indices (into B * S) of those positions."""
-        self.narrow = False
-        """Whether the forward is narrow (at most MAX_ROWS positions): the update is then computed at every row."""
         self.handle = model.get_input_embeddings().register_forward_pre_hook(self._read)
 
     def _read(self, module, args, kwargs=None):
@@ -87,7 +85,11 @@ class MaskRows:
         is_mask = input_ids == self.mask_token_id
         self.dense = is_mask.unsqueeze(-1)
         self.rows = is_mask.reshape(-1).nonzero().squeeze(1)
-        self.narrow = is_mask.numel() <= MAX_ROWS
+
+    @property
+    def narrow(self) -> bool:
+        """Whether the forward is narrow (at most MAX_ROWS positions): the update is then computed at every row."""
+        return self.dense is not None and self.dense.numel() <= MAX_ROWS
 
 
 class MaskGatedLoRA(nn.Module):

@@ -102,10 +102,9 @@ def use_narrow_linears(model: nn.Module, force: bool | None = None) -> int:
     if force is None:
         if any(layer.weight.device.type != "cpu" for layer in layers):
             return 0
-        probe = _probe_layers(layers)
-        if len(probe) == len(layers) and _bytes(layers) < PROBE_BYTES:
+        if _bytes(layers) < PROBE_BYTES:
             return 0  # weights that fit in a CPU cache are not streamed: narrow forwards are cheap as they are
-        if weight_major_speedup(probe) < MIN_GAIN:
+        if weight_major_speedup(_probe_layers(layers)) < MIN_GAIN:
             return 0
     for layer in layers:
         layer.__class__ = NarrowLinear
