@@ -74,6 +74,11 @@ class DecodeConfig:
     draft_length: int = 4
     """speculative: drafted tokens verified per forward (the masks appended to each forward draft this many)."""
 
+    draft_threshold: float = 0.0
+    """speculative: a draft is verified only when the distribution it is drawn from peaks at this or higher (the
+    drafts after it are dropped too): an unlikely draft widens the forward and is seldom accepted. Never changes
+    the output, only the forwards' widths."""
+
     predraft: bool = False
     """speculative: in each forward, draft the next tokens for every possible acceptance length (wider forwards,
     drafts ready whatever is accepted) instead of one chain after the drafts (no drafts after a rejection)."""
@@ -99,7 +104,7 @@ class DecodeConfig:
                  "slot_size", self.slot_size, "must be an integer >= 1")
         _require(isinstance(self.block_size, int) and self.block_size >= 1 and self.block_size % self.slot_size == 0,
                  "block_size", self.block_size, f"must be a positive multiple of slot_size={self.slot_size}")
-        for name in ("slot_threshold", "token_threshold"):
+        for name in ("slot_threshold", "token_threshold", "draft_threshold"):
             value = getattr(self, name)
             _require(isinstance(value, (int, float)) and 0.0 <= value <= 1.0, name, value, "must be in [0, 1]")
         _require(isinstance(self.temperature, (int, float)) and self.temperature >= 0.0,

@@ -32,6 +32,55 @@ def test_speculative_equals_autoregressive_and_transformers_greedy(arch):
             assert refusion.generate(model, PROMPTS[1:2], cfg).sequences == ar[1:2]
 
 
+@pytest.mark.parametrize("draft_threshold", [0.5, 0.8])
+def test_a_draft_threshold_never_changes_the_output(draft_threshold):
+    model = tiny_model("qwen3")
+    ar = refusion.generate(model, PROMPTS, max_new_tokens=24, strategy="autoregressive", eos_token_id=2).sequences
+    for draft_length, predraft in ((1, False), (3, False), (2, True)):
+        cfg = refusion.DecodeConfig(max_new_tokens=24, strategy="speculative", draft_length=draft_length,
+                                    predraft=predraft, eos_token_id=2)
+        every = refusion.generate(model, PROMPTS, cfg)
+        cut = refusion.generate(model, PROMPTS, cfg.replace(draft_threshold=draft_threshold))
+        assert cut.sequences == every.sequences == ar, (draft_length, predraft)
+        drafted = [sum(s.drafted for s in out.stats.per_sequence) for out in (cut, every)]
+        assert 0 < drafted[0] < drafted[1]  # some drafts were cut, not all
+
+
+def test_unconfident_drafts_are_not_verified():
+    # AR continues 10, 11, ... from positions 2 on; the masks draft it with probability 0.9, except at
+    # positions 5 and 9, where they draft a wrong token (20) with probability 0.3
+    ar = {p: 8 + p for p in range(2, 12)} | {12: EOS}
+    masks = {p: (20, 0.3) if p in (5, 9) else (t, 0.9) for p, t in ar.items()}
+    expected = [[10, 11, 12, 13, 14, 15, 16, 17, 18, 19, EOS]]
+    runs = {}
+    for threshold in (0.0, 0.5):
+        model = ScriptedLM(masks, {p: (t, 0.9) for p, t in ar.items()})
+        out = refusion.generate(model, [[5, 6]], max_new_tokens=20, strategy="speculative", draft_length=3,
+                                draft_threshold=threshold, trace=True)
+        assert out.sequences == expected
+        runs[threshold] = (out.stats.per_sequence[0], [e.tokens for r in out.traces[0] for e in r.planned],
+                           max(len(ids[0]) for ids, _ in model.calls[1:]))
+    (plain, plain_drafts, _), (gated, gated_drafts, widest) = runs[0.0], runs[0.5]
+    assert any(20 in d for d in plain_drafts) and plain.drafted > plain.accepted
+    assert not any(20 in d for d in gated_drafts)  # the unlikely drafts were cut, with the ones after them
+    assert gated.accepted == gated.drafted > 0  # every draft it verified was right
+    assert gated.drafted < plain.drafted and widest <= 1 + 3 + 4
+
+
+def test_the_draft_cut_reads_the_distribution_not_the_drawn_token():
+    """At temperature > 0 the cut must not depend on which token was drawn (that would bias the sampler):
+    a drawn token of low probability is kept when its distribution peaks above the threshold."""
+    from refusion.decode.speculate import Drafts, confident_drafts
+
+    probs = torch.tensor([[0.8, 0.1, 0.1], [0.2, 0.3, 0.5], [0.9, 0.05, 0.05]])
+    drawn = Drafts(torch.tensor([1, 2, 0]), probs)  # the first draft drew a token of probability 0.1
+    assert confident_drafts(drawn, probs.log(), 0.6).tokens.tolist() == [1]  # cut at the flat second mask
+    assert confident_drafts(drawn, probs.log(), 0.5).tokens.tolist() == [1, 2, 0]
+    assert confident_drafts(drawn, probs.log(), 0.0).tokens.tolist() == [1, 2, 0]
+    greedy = Drafts(probs.argmax(-1), None)  # greedy drafts: the peaks come from the logits
+    assert confident_drafts(greedy, probs.log(), 0.85).tokens.tolist() == []
+
+
 def _ar_continuation_model(masks_right: dict[int, bool], ar: dict[int, int]) -> ScriptedLM:
     """Scripted model whose masks draft the AR token (or a wrong one) at each position."""
     nexts = {p: (t, 0.9) for p, t in ar.items()}

@@ -31,7 +31,7 @@ from refusion.decode.infill import (
 )
 from refusion.decode.outputs import RoundTrace, SequenceStats, SlotEvent
 from refusion.decode.plan import next_token, plan_slots
-from refusion.decode.speculate import Drafts, accept_drafts, draft_tokens_from_masks
+from refusion.decode.speculate import Drafts, accept_drafts, confident_drafts, draft_tokens_from_masks
 
 
 @dataclass
@@ -368,10 +368,14 @@ def speculative_program(seq: Sequence) -> Program:
         for the token the AR logits give at `after` + 1 and drafts nothing)."""
         return torch.arange(after + 1, max(after + 1, min(after + 2 + draft_length, end)), device=device)
 
+    def drafts_from(mask_logits: torch.Tensor) -> Drafts:
+        drafts = draft_tokens_from_masks(mask_logits, cfg.temperature, seq.generator)
+        return confident_drafts(drafts, mask_logits, cfg.draft_threshold)
+
     logits = yield _prefill(seq, draft_masks(prompt_length - 1), logits_from=prompt_length - 1)
     seq.commit(seq.prompt, torch.arange(prompt_length, device=device))
     token = next_token(logits[0], cfg.temperature, seq.generator)  # the token at `position`
-    drafts = draft_tokens_from_masks(logits[2:], cfg.temperature, seq.generator)
+    drafts = drafts_from(logits[2:])
     position, phases = prompt_length, {"prefill": 1}  # the first round also accounts for the prefill
     while True:
         eos = bool(seq.is_eos(token))
@@ -416,8 +420,7 @@ def speculative_program(seq: Sequence) -> Program:
         drafts = Drafts.none(device)
         for branch_accepted, masks in branches:
             if branch_accepted == accepted:
-                drafts = draft_tokens_from_masks(logits[offset + 1: offset + masks.numel()], cfg.temperature,
-                                                 seq.generator)
+                drafts = drafts_from(logits[offset + 1: offset + masks.numel()])
             offset += masks.numel()
 
 

@@ -47,6 +47,16 @@ def draft_tokens_from_masks(mask_logits: torch.Tensor, temperature: float,
     return Drafts(sample(probs, generator).squeeze(-1), probs)
 
 
+def confident_drafts(drafts: Drafts, mask_logits: torch.Tensor, threshold: float) -> Drafts:
+    """The drafts before the first mask whose draft distribution peaks below `threshold` ([d, V] mask_logits:
+    the logits they were drafted from). Verifying fewer drafts never changes what is committed, only how fast;
+    the cut depends on the distributions, not on the tokens drawn from them, so sampling stays exact."""
+    if threshold <= 0 or drafts.tokens.numel() == 0:
+        return drafts
+    probs = drafts.probs if drafts.probs is not None else torch.softmax(mask_logits.float(), -1)
+    return drafts[: int(accepted_prefix(probs.amax(-1) >= threshold).sum())]
+
+
 def accept_drafts(drafts: Drafts, ar_logits: torch.Tensor, temperature: float,
                   generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
     """How many drafts AR decoding accepts, and the token that follows the last accepted one.
