@@ -9,6 +9,10 @@ so `use_narrow_linears` times both on the model's own weights and switches only 
 
 The switch changes the class of each plain `nn.Linear` to `NarrowLinear` (same parameters, same state dict);
 forwards of more rows than `MAX_ROWS` (prefill, training) take the usual path.
+
+Some BLAS kernels are also slower for some row counts than for a few more (on a 2-core AVX2 EPYC, fp32: one row
+cost 1.4x two, three 1.25x four), so the probe also times 1..`PAD_PROBE_ROWS` rows and a narrow product is
+padded with zero rows up to the count that is fastest, where that saves at least `MIN_PAD_GAIN`.
 """
 
 from __future__ import annotations
@@ -27,16 +31,27 @@ MIN_GAIN = 1.15
 """Weight-major is used only when the probe finds it at least this much faster."""
 PROBE_BYTES = 64 * 2**20
 """The probe streams at least this many bytes of weights (more than a CPU cache holds), or all of them."""
+PAD_PROBE_ROWS = 8
+"""Row counts 1..this are timed to choose the padding of narrow products; wider ones are never padded."""
+MIN_PAD_GAIN = 1.1
+"""A product is padded to more rows only when those are at least this much faster."""
 
 
 class NarrowLinear(nn.Linear):
     """nn.Linear whose forward of at most MAX_ROWS rows computes (W @ x.T).T."""
 
+    padded_rows: tuple[int, ...] = ()
+    """padded_rows[r]: the rows a product of r rows is computed with (zero rows added); r where absent."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if rows == 0 or rows > MAX_ROWS or x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
-        out = _weight_major_product(self.weight, x.reshape(rows, x.shape[-1]))
+        flat = x.reshape(rows, x.shape[-1])
+        padded = self.padded_rows[rows] if rows < len(self.padded_rows) else rows
+        if padded > rows:
+            flat = torch.cat([flat, flat.new_zeros(padded - rows, flat.shape[1])])
+        out = _weight_major_product(self.weight, flat)[:rows]
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
@@ -70,6 +85,39 @@ def weight_major_speedup(layers: list[nn.Linear], rows: int = PROBE_ROWS, repeat
     return sorted(plain)[repeats // 2] / max(sorted(major)[repeats // 2], 1e-9)
 
 
+@torch.inference_mode()
+def weight_major_row_times(layers: list[nn.Linear], max_rows: int = PAD_PROBE_ROWS, repeats: int = 3) -> list[float]:
+    """Seconds of weight-major products of 1..max_rows rows through every layer in turn (median of interleaved
+    repeats); element r - 1 is r rows."""
+    if not layers:
+        raise ValueError("weight_major_row_times needs at least one linear layer to time")
+    generator = torch.Generator(layers[0].weight.device).manual_seed(0)  # the caller's random state is left alone
+    inputs = {}
+    for layer in layers:
+        key = (layer.in_features, layer.weight.dtype)
+        if key not in inputs:
+            inputs[key] = torch.randn(max_rows, layer.in_features, generator=generator,
+                                      device=layer.weight.device).to(layer.weight.dtype)
+    times = [[] for _ in range(max_rows)]
+    for _ in range(repeats):
+        for rows in range(1, max_rows + 1):
+            start = time.perf_counter()
+            for layer in layers:
+                _weight_major_product(layer.weight, inputs[layer.in_features, layer.weight.dtype][:rows])
+            times[rows - 1].append(time.perf_counter() - start)
+    return [sorted(t)[repeats // 2] for t in times]
+
+
+def row_padding(times: list[float], min_gain: float = MIN_PAD_GAIN) -> tuple[int, ...]:
+    """From the times of 1..n rows: for each row count r (index r; 0 for index 0), the count in r..min(2r, n) that
+    is fastest, when it beats r's own time by min_gain, else r itself."""
+    padding = [0]
+    for rows in range(1, len(times) + 1):
+        best = min(range(rows, min(2 * rows, len(times)) + 1), key=lambda r: times[r - 1])
+        padding.append(best if times[best - 1] * min_gain <= times[rows - 1] else rows)
+    return tuple(padding)
+
+
 def _probe_layers(layers: list[nn.Linear]) -> list[nn.Linear]:
     """The first layers holding PROBE_BYTES of weights (all of them in a smaller model)."""
     chosen, total = [], 0
@@ -93,9 +141,11 @@ def _weight_major_product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor
     return torch.mm(weight, x.t()).t().contiguous()
 
 
-def use_narrow_linears(model: nn.Module, force: bool | None = None) -> int:
+def use_narrow_linears(model: nn.Module, force: bool | None = None,
+                       padded_rows: tuple[int, ...] | None = None) -> int:
     """Make the plain linear layers of a CPU model multiply weight-major in narrow forwards, when that is faster
-    here (force=True: always; False: never). Returns how many layers were switched."""
+    here (force=True: always; False: never), with the row padding the probe finds fastest (or `padded_rows`, see
+    NarrowLinear). Returns how many layers were switched."""
     layers = plain_linears(model)
     if not layers or force is False:
         return 0
@@ -104,8 +154,13 @@ def use_narrow_linears(model: nn.Module, force: bool | None = None) -> int:
             return 0
         if _bytes(layers) < PROBE_BYTES:
             return 0  # weights that fit in a CPU cache are not streamed: narrow forwards are cheap as they are
-        if weight_major_speedup(_probe_layers(layers)) < MIN_GAIN:
+        probed = _probe_layers(layers)
+        if weight_major_speedup(probed) < MIN_GAIN:
             return 0
+        if padded_rows is None:
+            padded_rows = row_padding(weight_major_row_times(probed))
     for layer in layers:
         layer.__class__ = NarrowLinear
+        if padded_rows:
+            layer.padded_rows = padded_rows
     return len(layers)
