@@ -1,4 +1,5 @@
-"""Narrow forwards: plain `F.linear` vs weight-major `NarrowLinear` layers, on one model, in one run.
+"""Narrow forwards: plain `F.linear` vs weight-major `NarrowLinear` layers (without and with the row padding the
+probe picks), on one model, in one run.
 
 1. Cost of one forward by width (new tokens over a 200-token cached context, half of them masks when the model
    has a mask token), both kinds of layers timed back to back at every width.
@@ -7,6 +8,7 @@
    same layers. Ends with one JSON line.
 
     python benchmarks/narrow_forwards.py [--model PATH] [--prompts 3] [--max-new-tokens 96] [--draft-lengths 1,2]
+                                         [--prompts 0: forward costs only]
 """
 
 from __future__ import annotations
@@ -25,14 +27,16 @@ from refusion.config import DecodeConfig, preset
 from refusion.data import boxed_prompt, default_data_dir, read_jsonl
 from refusion.decode.loop import generate
 from refusion.model.loading import encode_prompts, load
-from refusion.model.narrow import NarrowLinear
+from refusion.model.narrow import NarrowLinear, row_padding, weight_major_row_times
 
-KINDS = {"plain": nn.Linear, "narrow": NarrowLinear}
+KINDS = {"plain": nn.Linear, "narrow": NarrowLinear, "padded": NarrowLinear}
+PADDING = {}  # kind -> padded_rows, set once by main() from the probe
 
 
 def set_linears(layers: list[nn.Linear], kind: str) -> None:
     for layer in layers:
         layer.__class__ = KINDS[kind]
+        layer.padded_rows = PADDING.get(kind, ())
 
 
 @torch.inference_mode()
@@ -84,8 +88,8 @@ def decoding(model, layers, prompts: list[list[int]], configs: dict[str, DecodeC
             total["speed_vs_ar_same_layers"] = total["tokens_per_second"] / by_mode["autoregressive"]["tokens_per_second"]
             total["identical_to_ar"] = sum(outputs[kind, mode, i] == outputs[kind, "autoregressive", i]
                                            for i in range(len(prompts)))
-    results["same_tokens_plain_and_narrow"] = all(outputs["plain", m, i] == outputs["narrow", m, i]
-                                                  for m in configs for i in range(len(prompts)))
+    results["same_tokens_every_kind"] = all(outputs["plain", m, i] == outputs[kind, m, i]
+                                            for kind in KINDS for m in configs for i in range(len(prompts)))
     return results
 
 
@@ -102,12 +106,21 @@ def main() -> None:
 
     model, tokenizer = load(args.model, dtype=args.dtype)
     layers = [m for m in model.modules() if type(m) in KINDS.values()]
+    set_linears(layers, "narrow")
+    PADDING["padded"] = row_padding(weight_major_row_times(layers))
+    print(f"row padding the probe picks (index: rows): {PADDING['padded']}")
     widths = [int(w) for w in args.widths.split(",")]
     cost = forward_cost(model, layers, widths, args.repeats)
     print("width " + " ".join(f"{w:>6}" for w in widths))
     for kind, by_width in cost.items():
         print(f"{kind:6s}" + " ".join(f"{by_width[w]:6.0f}" for w in widths) + "  ms")
 
+    report = {"benchmark": "narrow_forwards", "model": args.model or "refusion-smol", "dtype": str(model.dtype),
+              "layers": len(layers), "padded_rows": PADDING["padded"], "threads": torch.get_num_threads(),
+              "torch": torch.__version__, "machine": platform.machine(), "forward_ms": cost}
+    if args.prompts == 0:
+        print(json.dumps(report | {"time": time.strftime("%Y-%m-%dT%H:%M:%S")}))
+        return
     problems = read_jsonl(default_data_dir() / "gsm8k" / "test.jsonl")[: args.prompts]
     prompts = encode_prompts(tokenizer, [boxed_prompt(p["question"]) for p in problems])
     base = DecodeConfig(**preset("refusion-smol"), max_new_tokens=args.max_new_tokens)
@@ -119,11 +132,8 @@ def main() -> None:
         for mode, r in results[kind].items():
             print(f"{kind:6s} {mode:15s} {r['tokens_per_second']:5.1f} tok/s  TPF {r['tokens_per_forward']:.2f}  "
                   f"x{r['speed_vs_ar_same_layers']:.2f} AR  identical {r['identical_to_ar']}/{len(prompts)}")
-    print(json.dumps({"benchmark": "narrow_forwards", "model": args.model or "refusion-smol", "dtype": str(model.dtype),
-                      "layers": len(layers), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                      "machine": platform.machine(), "forward_ms": cost, "decoding": results,
-                      "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-                      "time": time.strftime("%Y-%m-%dT%H:%M:%S")}))
+    print(json.dumps(report | {"decoding": results, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+                               "time": time.strftime("%Y-%m-%dT%H:%M:%S")}))
 
 
 if __name__ == "__main__":
