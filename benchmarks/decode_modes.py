@@ -25,14 +25,16 @@ from refusion.decode.outputs import add_counts
 from refusion.model.loading import encode_prompts, load
 
 
-def modes(base: DecodeConfig, draft_lengths: list[int], draft_thresholds: list[float]) -> dict[str, DecodeConfig]:
+def modes(base: DecodeConfig, draft_lengths: list[int], draft_thresholds: list[float],
+          lookup_lengths: list[int]) -> dict[str, DecodeConfig]:
     out = {"autoregressive": base.replace(strategy="autoregressive")}
     for d in draft_lengths:
         for t in draft_thresholds:
-            name = f"speculative_d{d}" + (f"_t{t:g}" if t > 0 else "")
-            out[name] = base.replace(strategy="speculative", draft_length=d, predraft=False, draft_threshold=t)
-            out[name + "_predraft"] = base.replace(strategy="speculative", draft_length=d, predraft=True,
-                                                   draft_threshold=t)
+            for lookup in lookup_lengths:
+                name = f"speculative_d{d}" + (f"_t{t:g}" if t > 0 else "") + (f"_l{lookup}" if lookup else "")
+                cfg = base.replace(strategy="speculative", draft_length=d, draft_threshold=t, lookup_length=lookup)
+                out[name] = cfg.replace(predraft=False)
+                out[name + "_predraft"] = cfg.replace(predraft=True)
     out["refusion_fused"] = base.replace(strategy="refusion", fused_plan=True)
     out["refusion_unfused"] = base.replace(strategy="refusion", fused_plan=False)
     return out
@@ -48,6 +50,8 @@ def main() -> None:
     parser.add_argument("--draft-lengths", default="2,4,6")
     parser.add_argument("--draft-thresholds", default="0", help="speculative modes with each draft_threshold "
                         "(0: the name without a _t suffix)")
+    parser.add_argument("--lookup-lengths", default="0", help="speculative modes with each lookup_length "
+                        "(0: the name without an _l suffix)")
     parser.add_argument("--modes", default=None, help="comma-separated subset of the mode names")
     parser.add_argument("--dtype", default=None)
     args = parser.parse_args()
@@ -58,7 +62,8 @@ def main() -> None:
     settings = preset(args.preset) if args.preset else preset("refusion-smol") if args.model is None else {}
     base = DecodeConfig(max_new_tokens=args.max_new_tokens, **settings)
     chosen = modes(base, [int(d) for d in args.draft_lengths.split(",")],
-                   [float(t) for t in args.draft_thresholds.split(",")])
+                   [float(t) for t in args.draft_thresholds.split(",")],
+                   [int(n) for n in args.lookup_lengths.split(",")])
     if args.modes:
         chosen = {name: chosen[name] for name in args.modes.split(",")}
     for cfg in chosen.values():  # warm-up

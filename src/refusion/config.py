@@ -79,6 +79,11 @@ class DecodeConfig:
     drafts after it are dropped too): an unlikely draft widens the forward and is seldom accepted. Never changes
     the output, only the forwards' widths."""
 
+    lookup_length: int = 0
+    """speculative: when the last tokens (3, else 2) occurred earlier in the prompt or the response, draft up to
+    this many tokens by copying what followed them (prompt lookup), instead of the masks' drafts; 0: never.
+    Never changes the output."""
+
     predraft: bool = False
     """speculative: in each forward, draft the next tokens for every possible acceptance length (wider forwards,
     drafts ready whatever is accepted) instead of one chain after the drafts (no drafts after a rejection)."""
@@ -113,6 +118,8 @@ class DecodeConfig:
         _require(self.strategy in STRATEGIES, "strategy", self.strategy, f"must be one of {', '.join(STRATEGIES)}")
         _require(isinstance(self.draft_length, int) and self.draft_length >= 1,
                  "draft_length", self.draft_length, "must be an integer >= 1")
+        _require(isinstance(self.lookup_length, int) and self.lookup_length >= 0,
+                 "lookup_length", self.lookup_length, "must be an integer >= 0")
         for name in ("predraft", "fused_plan"):
             _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be true or false")
         _require(self.kv_cache in KV_CACHE_MODES, "kv_cache", self.kv_cache,

@@ -46,6 +46,31 @@ def test_a_draft_threshold_never_changes_the_output(draft_threshold):
         assert 0 < drafted[0] < drafted[1]  # some drafts were cut, not all
 
 
+def test_prompt_lookup_copies_what_followed_the_latest_earlier_occurrence():
+    from refusion.decode.speculate import lookup_drafts
+
+    text = [1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7, 2, 3, 4]
+    assert lookup_drafts(text, 2) == [6, 7]  # "2 3 4" occurred twice: the latest one wins
+    assert lookup_drafts(text, 9) == [6, 7, 2, 3, 4]  # up to the end of the text
+    assert lookup_drafts([1, 8, 5, 3, 8, 5], 3) == [3, 8, 5]  # no earlier "3 8 5": the last 2 tokens, "8 5"
+    assert lookup_drafts([1, 2, 3, 4], 3) == [] and lookup_drafts([4], 3) == []
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_prompt_lookup_never_changes_the_output_and_drafts_from_repetitions(arch):
+    model = tiny_model(arch)
+    prompts = [[1, 5, 7, 9, 5, 7, 9, 5, 7], [3, 4, 3, 4, 3, 4, 3], [9], [12, 13, 14, 15, 16]]
+    ar = refusion.generate(model, prompts, max_new_tokens=24, strategy="autoregressive", eos_token_id=2).sequences
+    for draft_length, predraft in ((1, False), (2, True)):
+        cfg = refusion.DecodeConfig(max_new_tokens=24, strategy="speculative", draft_length=draft_length,
+                                    predraft=predraft, eos_token_id=2)
+        masks_only = refusion.generate(model, prompts, cfg)
+        lookup = refusion.generate(model, prompts, cfg.replace(lookup_length=4), trace=True)
+        assert lookup.sequences == masks_only.sequences == ar, (draft_length, predraft)
+        longest = max(len(e.tokens) for rounds in lookup.traces for r in rounds for e in r.planned)
+        assert longest > draft_length  # only copied drafts run longer than the masks'
+
+
 def test_unconfident_drafts_are_not_verified():
     # AR continues 10, 11, ... from positions 2 on; the masks draft it with probability 0.9, except at
     # positions 5 and 9, where they draft a wrong token (20) with probability 0.3
@@ -129,18 +154,23 @@ def test_drafts_are_the_masks_predictions_on_top_of_the_accepted_text(predraft):
     assert checked >= 5
 
 
-def test_speculative_sampling_follows_the_autoregressive_distribution():
+LOOKUP_PROMPT = [t for v in range(64) for t in (9, v)] + [9]  # whatever x1 is, "9 x1" occurred: x2 is drafted as 9
+
+
+@pytest.mark.parametrize("prompt,lookup_length", [([1, 5, 7, 9], 0), (LOOKUP_PROMPT, 2)])
+def test_speculative_sampling_follows_the_autoregressive_distribution(prompt, lookup_length):
     """At temperature > 0 the first two sampled tokens follow AR sampling's distribution: the first token is
-    sampled from p(x1), the second goes through the acceptance rule against p(x2 | x1)."""
+    sampled from p(x1), the second goes through the acceptance rule against p(x2 | x1) (drafted by the masks, or
+    copied by prompt lookup)."""
     model = tiny_model("qwen3", dtype=torch.float64)
-    prompt, temperature, n = [1, 5, 7, 9], 3.0, 1500
+    temperature, n = 3.0, 1500
     with torch.no_grad():
         first = torch.softmax(model(torch.tensor([prompt])).logits[0, -1] / temperature, -1)
         batch = torch.tensor([prompt + [t] for t in range(first.numel())])
         following = torch.softmax(model(batch).logits[:, -1] / temperature, -1)  # [V, V]: p(x2 | x1)
     second = first @ following  # exact marginal of x2
     cfg = refusion.DecodeConfig(max_new_tokens=2, strategy="speculative", draft_length=2, temperature=temperature,
-                                seed=0, eos_token_id=[])
+                                seed=0, eos_token_id=[], lookup_length=lookup_length)
     out = refusion.generate(model, [prompt] * n, cfg)
     samples = torch.tensor(out.sequences)  # [n, 2]
     vocab = first.numel()
@@ -153,7 +183,11 @@ def test_speculative_sampling_follows_the_autoregressive_distribution():
     assert tv(samples[:, 0], first) < 0.12
     assert tv(samples[:, 1], second) < 0.12
     accepted = sum(s.accepted for s in out.stats.per_sequence)
-    assert 0.05 * n < accepted < 0.95 * n  # the acceptance rule ran both ways
+    if lookup_length:  # every draft was the copied 9 (p(9) is small here: it is seldom accepted)
+        assert 0 < accepted < 0.95 * n
+        assert all(x2 == 9 for (_, x2), s in zip(out.sequences, out.stats.per_sequence) if s.accepted)
+    else:
+        assert 0.05 * n < accepted < 0.95 * n  # the acceptance rule ran both ways
 
 
 def test_speculative_sampling_is_reproducible_and_batch_independent():

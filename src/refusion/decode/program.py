@@ -31,7 +31,14 @@ from refusion.decode.infill import (
 )
 from refusion.decode.outputs import RoundTrace, SequenceStats, SlotEvent
 from refusion.decode.plan import next_token, plan_slots
-from refusion.decode.speculate import Drafts, accept_drafts, confident_drafts, draft_tokens_from_masks
+from refusion.decode.speculate import (
+    Drafts,
+    accept_drafts,
+    confident_drafts,
+    copied_drafts,
+    draft_tokens_from_masks,
+    lookup_drafts,
+)
 
 
 @dataclass
@@ -377,6 +384,7 @@ def speculative_program(seq: Sequence) -> Program:
     token = next_token(logits[0], cfg.temperature, seq.generator)  # the token at `position`
     drafts = drafts_from(logits[2:])
     position, phases = prompt_length, {"prefill": 1}  # the first round also accounts for the prefill
+    text = seq.prompt.tolist()  # prompt and committed response: what prompt lookup searches
     while True:
         eos = bool(seq.is_eos(token))
         if eos or position == end - 1:  # the last token needs no forward
@@ -386,6 +394,10 @@ def speculative_program(seq: Sequence) -> Program:
             seq.finish("eos" if eos else "length")
             return
         phases["verify"] = phases.get("verify", 0) + 1
+        if cfg.lookup_length:
+            copied = lookup_drafts(text + token.tolist(), cfg.lookup_length)
+            if copied:
+                drafts = copied_drafts(copied, logits.shape[-1], cfg.temperature, device)
         drafts = drafts[: end - 1 - position]
         n = drafts.tokens.numel()
         chain = torch.cat([token, drafts.tokens])
@@ -405,6 +417,7 @@ def speculative_program(seq: Sequence) -> Program:
         if bool(eos.any()):
             tokens = tokens[cut_after_first_eos(eos)]
         seq.commit(tokens, chain_positions[: tokens.numel()], group=0)  # pre-drafts may share positions
+        text += tokens.tolist()
         done = bool(eos.any())
         seq.record(RoundTrace(seq.stats.rounds, 0, [],
                               [SlotEvent(position + 1, drafts.tokens.tolist())] if n else [],

@@ -47,6 +47,32 @@ def draft_tokens_from_masks(mask_logits: torch.Tensor, temperature: float,
     return Drafts(sample(probs, generator).squeeze(-1), probs)
 
 
+LOOKUP_MATCHES = (3, 2)
+"""Lengths of the text's last tokens that prompt lookup searches for, longest first."""
+
+
+def lookup_drafts(text: list[int], length: int) -> list[int]:
+    """Prompt lookup: the (up to) `length` tokens that followed the latest earlier occurrence of the text's last
+    3 tokens (else 2) in the text itself (prompt and response so far); [] when they did not occur."""
+    for n in LOOKUP_MATCHES:
+        if len(text) <= n:
+            continue
+        tail = text[-n:]
+        for start in range(len(text) - n - 1, -1, -1):
+            if text[start: start + n] == tail:
+                return text[start + n: start + n + length]
+    return []
+
+
+def copied_drafts(tokens: list[int], vocab_size: int, temperature: float, device) -> Drafts:
+    """Drafts copied from the text: drawn with certainty, so at temperature > 0 their draft distribution is
+    one-hot (accepted with probability p(x), resampled from p without x otherwise: still exact)."""
+    ids = torch.tensor(tokens, dtype=torch.long, device=device)
+    if temperature <= 0:
+        return Drafts(ids, None)
+    return Drafts(ids, torch.nn.functional.one_hot(ids, vocab_size).float())
+
+
 def confident_drafts(drafts: Drafts, mask_logits: torch.Tensor, threshold: float) -> Drafts:
     """The drafts before the first mask whose draft distribution peaks below `threshold` ([d, V] mask_logits:
     the logits they were drafted from). Verifying fewer drafts never changes what is committed, only how fast;
