@@ -364,7 +364,9 @@ def speculative_program(seq: Sequence) -> Program:
     while they agree with the AR predictions (greedy), or by the speculative-sampling rule (temperature > 0);
     the AR prediction after the last accepted draft is the next forward's first token, so every forward
     commits at least one token. A single chain of masks (after the drafts) drafts only when every draft
-    is accepted; `cfg.predraft` adds one chain of masks per possible acceptance length.
+    is accepted; `cfg.predraft` adds one chain of masks per possible acceptance length. With
+    `cfg.lookup_length`, a round whose last tokens occurred earlier in the text verifies the tokens that followed
+    them instead (prompt lookup), without masks.
     """
     cfg, device = seq.cfg, seq.device
     prompt_length, draft_length = seq.prompt_length, cfg.draft_length
@@ -394,17 +396,18 @@ def speculative_program(seq: Sequence) -> Program:
             seq.finish("eos" if eos else "length")
             return
         phases["verify"] = phases.get("verify", 0) + 1
-        if cfg.lookup_length:
-            copied = lookup_drafts(text + token.tolist(), cfg.lookup_length)
-            if copied:
-                drafts = copied_drafts(copied, logits.shape[-1], cfg.temperature, device)
+        copied = lookup_drafts(text + token.tolist(), cfg.lookup_length) if cfg.lookup_length else []
+        if copied:
+            drafts = copied_drafts(copied, logits.shape[-1], cfg.temperature, device)
         drafts = drafts[: end - 1 - position]
         n = drafts.tokens.numel()
         chain = torch.cat([token, drafts.tokens])
         chain_positions = torch.arange(position, position + n + 1, device=device)
         request = Forward(chain, chain_positions, _zeros(chain))
         branches = []  # (acceptance length, mask positions) of each chain of masks, in request order
-        for length in range(n, -1, -1) if cfg.predraft else [n]:
+        # a forward that verifies a copy carries no masks: the copy usually goes on, and without mask rows the
+        # forward is narrower and skips a mask-gated adapter entirely
+        for length in [] if copied else range(n, -1, -1) if cfg.predraft else [n]:
             masks = draft_masks(position + length)  # group n - length + 1 reads the chain up to its length-th draft
             if masks.numel() > 1:
                 request = request.with_branch(_masks(seq, masks), masks, n - length + 1, position + length)
