@@ -29,32 +29,37 @@ from refusion.decode.loop import generate
 from refusion.model.loading import encode_prompts, load
 from refusion.model.narrow import NarrowLinear, row_padding, weight_major_row_times
 
-KINDS = {"plain": nn.Linear, "narrow": NarrowLinear, "padded": NarrowLinear}
-PADDING = {}  # kind -> padded_rows, set once by main() from the probe
+Kinds = dict[str, tuple[type, tuple[int, ...]]]
+"""Each kind of linear layer compared: its class and its row padding."""
 
 
-def set_linears(layers: list[nn.Linear], kind: str) -> None:
+def layer_kinds(padded_rows: tuple[int, ...]) -> Kinds:
+    return {"plain": (nn.Linear, ()), "narrow": (NarrowLinear, ()), "padded": (NarrowLinear, padded_rows)}
+
+
+def set_linears(layers: list[nn.Linear], kind: tuple[type, tuple[int, ...]]) -> None:
+    cls, padded_rows = kind
     for layer in layers:
-        layer.__class__ = KINDS[kind]
-        layer.padded_rows = PADDING.get(kind, ())
+        layer.__class__ = cls
+        layer.padded_rows = padded_rows
 
 
 @torch.inference_mode()
-def forward_cost(model, layers, widths: list[int], repeats: int, context: int = 200) -> dict:
+def forward_cost(model, layers, kinds: Kinds, widths: list[int], repeats: int, context: int = 200) -> dict:
     """Median milliseconds of a forward of each width, with each kind of linear layer."""
     mask_id = getattr(model.config, "mask_token_id", None)
     generator = torch.Generator().manual_seed(0)
     cache = DynamicCache()
     model(input_ids=torch.randint(100, 10000, (1, context), generator=generator), past_key_values=cache)
-    times = {kind: {w: [] for w in widths} for kind in KINDS}
+    times = {kind: {w: [] for w in widths} for kind in kinds}
     for _ in range(repeats):
         for width in widths:
             ids = torch.randint(100, 10000, (1, width), generator=generator)
             if mask_id is not None:
                 ids[0, width - width // 2:] = mask_id
             positions = torch.arange(context, context + width)[None]
-            for kind in KINDS:
-                set_linears(layers, kind)
+            for kind in kinds:
+                set_linears(layers, kinds[kind])
                 start = time.perf_counter()
                 model(input_ids=ids, position_ids=positions, past_key_values=cache, logits_to_keep=width)
                 times[kind][width].append(1000 * (time.perf_counter() - start))
@@ -62,14 +67,14 @@ def forward_cost(model, layers, widths: list[int], repeats: int, context: int = 
     return {kind: {w: statistics.median(t) for w, t in by_width.items()} for kind, by_width in times.items()}
 
 
-def decoding(model, layers, prompts: list[list[int]], configs: dict[str, DecodeConfig]) -> dict:
+def decoding(model, layers, kinds: Kinds, prompts: list[list[int]], configs: dict[str, DecodeConfig]) -> dict:
     """Tokens, forwards and seconds of each (kind, mode), every one run back to back on every prompt."""
-    totals = {(kind, mode): {"tokens": 0, "forwards": 0, "seconds": 0.0} for kind in KINDS for mode in configs}
+    totals = {(kind, mode): {"tokens": 0, "forwards": 0, "seconds": 0.0} for kind in kinds for mode in configs}
     outputs = {}
     for i, prompt in enumerate(prompts):
         print(f"prompt {i + 1}/{len(prompts)}", flush=True)
-        for kind in KINDS:
-            set_linears(layers, kind)
+        for kind in kinds:
+            set_linears(layers, kinds[kind])
             for mode, cfg in configs.items():
                 start = time.perf_counter()
                 out = generate(model, [prompt], cfg)
@@ -89,7 +94,7 @@ def decoding(model, layers, prompts: list[list[int]], configs: dict[str, DecodeC
             total["identical_to_ar"] = sum(outputs[kind, mode, i] == outputs[kind, "autoregressive", i]
                                            for i in range(len(prompts)))
     results["same_tokens_every_kind"] = all(outputs["plain", m, i] == outputs[kind, m, i]
-                                            for kind in KINDS for m in configs for i in range(len(prompts)))
+                                            for kind in kinds for m in configs for i in range(len(prompts)))
     return results
 
 
@@ -105,18 +110,18 @@ def main() -> None:
     args = parser.parse_args()
 
     model, tokenizer = load(args.model, dtype=args.dtype)
-    layers = [m for m in model.modules() if type(m) in KINDS.values()]
-    set_linears(layers, "narrow")
-    PADDING["padded"] = row_padding(weight_major_row_times(layers))
-    print(f"row padding the probe picks (index: rows): {PADDING['padded']}")
+    layers = [m for m in model.modules() if type(m) in (nn.Linear, NarrowLinear)]
+    padded_rows = row_padding(weight_major_row_times(layers))
+    print(f"row padding the probe picks (index: rows): {padded_rows}")
+    kinds = layer_kinds(padded_rows)
     widths = [int(w) for w in args.widths.split(",")]
-    cost = forward_cost(model, layers, widths, args.repeats)
+    cost = forward_cost(model, layers, kinds, widths, args.repeats)
     print("width " + " ".join(f"{w:>6}" for w in widths))
     for kind, by_width in cost.items():
         print(f"{kind:6s}" + " ".join(f"{by_width[w]:6.0f}" for w in widths) + "  ms")
 
     report = {"benchmark": "narrow_forwards", "model": args.model or "refusion-smol", "dtype": str(model.dtype),
-              "layers": len(layers), "padded_rows": PADDING["padded"], "threads": torch.get_num_threads(),
+              "layers": len(layers), "padded_rows": padded_rows, "threads": torch.get_num_threads(),
               "torch": torch.__version__, "machine": platform.machine(), "forward_ms": cost}
     if args.prompts == 0:
         print(json.dumps(report | {"time": time.strftime("%Y-%m-%dT%H:%M:%S")}))
@@ -127,8 +132,8 @@ def main() -> None:
     configs = {"autoregressive": base.replace(strategy="autoregressive")}
     for d in (int(x) for x in args.draft_lengths.split(",")):
         configs[f"exact_d{d}"] = base.replace(strategy="speculative", draft_length=d, predraft=False)
-    results = decoding(model, layers, prompts, configs)
-    for kind in KINDS:
+    results = decoding(model, layers, kinds, prompts, configs)
+    for kind in kinds:
         for mode, r in results[kind].items():
             print(f"{kind:6s} {mode:15s} {r['tokens_per_second']:5.1f} tok/s  TPF {r['tokens_per_forward']:.2f}  "
                   f"x{r['speed_vs_ar_same_layers']:.2f} AR  identical {r['identical_to_ar']}/{len(prompts)}")

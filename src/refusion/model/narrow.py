@@ -66,46 +66,51 @@ def plain_linears(model: nn.Module) -> list[nn.Linear]:
 def weight_major_speedup(layers: list[nn.Linear], rows: int = PROBE_ROWS, repeats: int = 3) -> float:
     """Time of x @ W.T over time of (W @ x.T).T, for `rows` rows through every layer in turn (the weights
     stream from memory as in a forward; one matrix alone would sit in cache). Median of interleaved repeats."""
-    if not layers:
-        raise ValueError("weight_major_speedup needs at least one linear layer to time")
-    inputs = {}
-    generator = torch.Generator(layers[0].weight.device).manual_seed(0)  # the caller's random state is left alone
-    for layer in layers:
-        key = (layer.in_features, layer.weight.dtype)
-        if key not in inputs:
-            inputs[key] = torch.randn(rows, layer.in_features, generator=generator, device=layer.weight.device).to(
-                layer.weight.dtype)
+    inputs = _probe_inputs(layers, rows, "weight_major_speedup")
     plain, major = [], []
     for _ in range(repeats):
-        for products, form in ((plain, _plain_product), (major, _weight_major_product)):
-            start = time.perf_counter()
-            for layer in layers:
-                form(layer.weight, inputs[layer.in_features, layer.weight.dtype])
-            products.append(time.perf_counter() - start)
-    return sorted(plain)[repeats // 2] / max(sorted(major)[repeats // 2], 1e-9)
+        plain.append(_seconds_through(layers, _plain_product, inputs, rows))
+        major.append(_seconds_through(layers, _weight_major_product, inputs, rows))
+    return _median(plain) / max(_median(major), 1e-9)
 
 
 @torch.inference_mode()
 def weight_major_row_times(layers: list[nn.Linear], max_rows: int = PAD_PROBE_ROWS, repeats: int = 3) -> list[float]:
     """Seconds of weight-major products of 1..max_rows rows through every layer in turn (median of interleaved
     repeats); element r - 1 is r rows."""
+    inputs = _probe_inputs(layers, max_rows, "weight_major_row_times")
+    times = [[] for _ in range(max_rows)]
+    for _ in range(repeats):
+        for rows in range(1, max_rows + 1):
+            times[rows - 1].append(_seconds_through(layers, _weight_major_product, inputs, rows))
+    return [_median(t) for t in times]
+
+
+def _probe_inputs(layers: list[nn.Linear], rows: int, caller: str) -> dict:
+    """One random [rows, in_features] input per (in_features, dtype) of the layers, from a generator of its own
+    (the caller's random state is left alone)."""
     if not layers:
-        raise ValueError("weight_major_row_times needs at least one linear layer to time")
-    generator = torch.Generator(layers[0].weight.device).manual_seed(0)  # the caller's random state is left alone
+        raise ValueError(f"{caller} needs at least one linear layer to time")
+    generator = torch.Generator(layers[0].weight.device).manual_seed(0)
     inputs = {}
     for layer in layers:
         key = (layer.in_features, layer.weight.dtype)
         if key not in inputs:
-            inputs[key] = torch.randn(max_rows, layer.in_features, generator=generator,
+            inputs[key] = torch.randn(rows, layer.in_features, generator=generator,
                                       device=layer.weight.device).to(layer.weight.dtype)
-    times = [[] for _ in range(max_rows)]
-    for _ in range(repeats):
-        for rows in range(1, max_rows + 1):
-            start = time.perf_counter()
-            for layer in layers:
-                _weight_major_product(layer.weight, inputs[layer.in_features, layer.weight.dtype][:rows])
-            times[rows - 1].append(time.perf_counter() - start)
-    return [sorted(t)[repeats // 2] for t in times]
+    return inputs
+
+
+def _seconds_through(layers: list[nn.Linear], form, inputs: dict, rows: int) -> float:
+    """Seconds of one product of `rows` rows through every layer in turn, in the given form."""
+    start = time.perf_counter()
+    for layer in layers:
+        form(layer.weight, inputs[layer.in_features, layer.weight.dtype][:rows])
+    return time.perf_counter() - start
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def row_padding(times: list[float], min_gain: float = MIN_PAD_GAIN) -> tuple[int, ...]:
