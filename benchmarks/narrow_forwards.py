@@ -2,7 +2,7 @@
 probe picks), on one model, in one run.
 
 1. Cost of one forward by width (new tokens over a 200-token cached context, half of them masks when the model
-   has a mask token), both kinds of layers timed back to back at every width.
+   has a mask token, unless --no-masks), every kind of layers timed back to back at every width.
 2. Decoding of the first N GSM8K test problems, batch 1: AR and the exact mode (draft lengths given) with both
    kinds of layers, every configuration back to back on every prompt; tokens/s and the ratio to AR with the
    same layers. Ends with one JSON line.
@@ -45,9 +45,10 @@ def set_linears(layers: list[nn.Linear], kind: tuple[type, tuple[int, ...]]) -> 
 
 
 @torch.inference_mode()
-def forward_cost(model, layers, kinds: Kinds, widths: list[int], repeats: int, context: int = 200) -> dict:
+def forward_cost(model, layers, kinds: Kinds, widths: list[int], repeats: int, context: int = 200,
+                 masks: bool = True) -> dict:
     """Median milliseconds of a forward of each width, with each kind of linear layer."""
-    mask_id = getattr(model.config, "mask_token_id", None)
+    mask_id = getattr(model.config, "mask_token_id", None) if masks else None
     generator = torch.Generator().manual_seed(0)
     cache = DynamicCache()
     model(input_ids=torch.randint(100, 10000, (1, context), generator=generator), past_key_values=cache)
@@ -106,6 +107,7 @@ def main() -> None:
     parser.add_argument("--draft-lengths", default="1,2")
     parser.add_argument("--widths", default="1,2,3,4,6,8,12,16")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--no-masks", action="store_true", help="forward costs without masks among the new tokens")
     parser.add_argument("--dtype", default=None)
     args = parser.parse_args()
 
@@ -115,13 +117,13 @@ def main() -> None:
     print(f"row padding the probe picks (index: rows): {padded_rows}")
     kinds = layer_kinds(padded_rows)
     widths = [int(w) for w in args.widths.split(",")]
-    cost = forward_cost(model, layers, kinds, widths, args.repeats)
+    cost = forward_cost(model, layers, kinds, widths, args.repeats, masks=not args.no_masks)
     print("width " + " ".join(f"{w:>6}" for w in widths))
     for kind, by_width in cost.items():
         print(f"{kind:6s}" + " ".join(f"{by_width[w]:6.0f}" for w in widths) + "  ms")
 
     report = {"benchmark": "narrow_forwards", "model": args.model or "refusion-smol", "dtype": str(model.dtype),
-              "layers": len(layers), "padded_rows": padded_rows, "threads": torch.get_num_threads(),
+              "layers": len(layers), "padded_rows": padded_rows, "masks": not args.no_masks, "threads": torch.get_num_threads(),
               "torch": torch.__version__, "machine": platform.machine(), "forward_ms": cost}
     if args.prompts == 0:
         print(json.dumps(report | {"time": time.strftime("%Y-%m-%dT%H:%M:%S")}))

@@ -39,7 +39,7 @@ def test_padded_narrow_products_compute_the_linear_map(rows):
 
 
 def test_row_padding_picks_the_fastest_count_within_twice_the_rows():
-    # times of 1..8 rows measured on a 2-core AVX2 CPU (ms): odd counts up to 4 cost more than one row more
+    # times of 1..8 rows (ms) shaped like a 2-core AVX2 CPU's: odd counts up to 4 cost more than one row more
     times = [30.9, 22.0, 27.8, 22.3, 28.9, 35.6, 42.7, 37.5]
     assert narrow.row_padding(times) == (0, 2, 2, 4, 4, 5, 6, 8, 8)
     assert narrow.row_padding(times, min_gain=1.5) == (0, 1, 2, 3, 4, 5, 6, 7, 8)  # no gain that large

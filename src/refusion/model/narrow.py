@@ -10,8 +10,8 @@ so `use_narrow_linears` times both on the model's own weights and switches only 
 The switch changes the class of each plain `nn.Linear` to `NarrowLinear` (same parameters, same state dict);
 forwards of more rows than `MAX_ROWS` (prefill, training) take the usual path.
 
-Some BLAS kernels are also slower for some row counts than for a few more (on a 2-core AVX2 EPYC, fp32: one row
-cost 1.4x two, three 1.25x four), so the probe also times 1..`PAD_PROBE_ROWS` rows and a narrow product is
+Some BLAS kernels are also slower for some row counts than for a few more (on a 2-core AVX2 EPYC, fp32: a whole
+forward of one row cost 1.15x one of two, three rows 1.11x four), so the probe also times 1..`PAD_PROBE_ROWS` rows and a narrow product is
 padded with zero rows up to the count that is fastest, where that saves at least `MIN_PAD_GAIN`.
 """
 
