@@ -25,6 +25,7 @@ from transformers import DynamicCache
 
 from refusion.config import DecodeConfig, preset
 from refusion.data import boxed_prompt, default_data_dir, read_jsonl
+from refusion.decode.cache import cache_keyword
 from refusion.decode.loop import generate
 from refusion.model.loading import encode_prompts, load
 from refusion.model.narrow import NarrowLinear, row_padding, weight_major_row_times
@@ -51,7 +52,7 @@ def forward_cost(model, layers, kinds: Kinds, widths: list[int], repeats: int, c
     mask_id = getattr(model.config, "mask_token_id", None) if masks else None
     generator = torch.Generator().manual_seed(0)
     cache = DynamicCache()
-    model(input_ids=torch.randint(100, 10000, (1, context), generator=generator), past_key_values=cache)
+    model(input_ids=torch.randint(100, 10000, (1, context), generator=generator), **{cache_keyword(model): cache})
     times = {kind: {w: [] for w in widths} for kind in kinds}
     for _ in range(repeats):
         for width in widths:
@@ -62,7 +63,7 @@ def forward_cost(model, layers, kinds: Kinds, widths: list[int], repeats: int, c
             for kind in kinds:
                 set_linears(layers, kinds[kind])
                 start = time.perf_counter()
-                model(input_ids=ids, position_ids=positions, past_key_values=cache, logits_to_keep=width)
+                model(input_ids=ids, position_ids=positions, **{cache_keyword(model): cache}, logits_to_keep=width)
                 times[kind][width].append(1000 * (time.perf_counter() - start))
                 cache.crop(-width)
     return {kind: {w: statistics.median(t) for w, t in by_width.items()} for kind, by_width in times.items()}

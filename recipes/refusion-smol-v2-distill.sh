@@ -8,13 +8,17 @@
 #   bash recipes/refusion-smol-v2-distill.sh [OUTPUT_DIR]      (default runs/refusion-smol-v2-distill)
 #   LIMIT=N bash recipes/refusion-smol-v2-distill.sh ...       only the first N prompts of the mix (a trial run:
 #                                                              the set is then packed into OUTPUT_DIR, not recipes/)
+#   FROM=M LIMIT=N PACKED=FILE bash ...                        pack the answers to prompts M+1..N into FILE (how the
+#                                                              second set, prompts 561-N, was packed)
 # Prompts decode 32 at a time, new ones joining as others finish (BATCH=N to change): ~4-5 s per prompt on a
 # 2-core AVX2 CPU in fp32, so the whole mix (16835 prompts) is ~20 h there (docs/TRAINING.md, "Distilling from
 # the base"). Where there is a CUDA GPU the same command uses it; LIMIT=N makes a prefix, which is still a mix.
 set -euo pipefail
 OUT=${1:-runs/refusion-smol-v2-distill}
 LIMIT=${LIMIT:-}
-if [ -n "$LIMIT" ]; then PACKED="$OUT/refusion-smol-v2-distill.jsonl.gz"
+FROM=${FROM:-0}
+if [ -n "${PACKED:-}" ]; then :
+elif [ -n "$LIMIT" ]; then PACKED="$OUT/refusion-smol-v2-distill.jsonl.gz"
 else PACKED=recipes/data/refusion-smol-v2-distill.jsonl.gz; fi
 mkdir -p "$OUT" "$(dirname "$PACKED")"
 
@@ -24,11 +28,11 @@ refusion generate --model smollm2 --strategy autoregressive --input distill-mix 
 
 # 2. keep the answers that ended with EOS (those cut at the length limit teach no ending), as training records
 #    {"query", "response", "origin"}, gzip-compressed with a fixed timestamp (same answers, same bytes)
-python - "$OUT/answers.jsonl" "$PACKED" ${LIMIT:+"$LIMIT"} <<'PY'
+python - "$OUT/answers.jsonl" "$PACKED" "$FROM" ${LIMIT:+"$LIMIT"} <<'PY'
 import collections, gzip, json, os, sys
-source, packed = sys.argv[1], sys.argv[2]
-limit = int(sys.argv[3]) if len(sys.argv) > 3 else None
-records = [json.loads(line) for line in open(source, encoding="utf-8") if line.strip()][:limit]
+source, packed, start = sys.argv[1], sys.argv[2], int(sys.argv[3])
+limit = int(sys.argv[4]) if len(sys.argv) > 4 else None
+records = [json.loads(line) for line in open(source, encoding="utf-8") if line.strip()][start:limit]
 kept = [r for r in records if r["stats"]["finish_reason"] == "eos"]
 lines = "".join(json.dumps({"query": r["query"], "response": r["response"], "origin": r["origin"]}) + "\n"
                 for r in kept)

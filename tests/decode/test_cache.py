@@ -66,9 +66,18 @@ def test_add_and_remove_sequences():
     assert cache.pos[:, :2].tolist() == [[0, 1], [7, 8]]  # row 2's entries moved up with it
     assert_kv_follows_metadata(cache)
     cache.add_sequence(3)  # joins with an empty row
-    assert cache.row_of[3] == 2 and (cache.owner[2] == EMPTY).all()
-    assert cache.keys[0].shape[0] == 3
-    cache.remove_sequences([0, 2, 3])
+    cache.add_sequence(4)
+    assert cache.row_of == {0: 0, 2: 1, 3: 2, 4: 3} and (cache.owner[2:] == EMPTY).all()
+    assert cache.keys[0].shape[0] == 2  # the KV rows of sequences that join together are added at one go...
+    forward(cache, [[0, 0]] * 4, [[2, 3], [9, 10], [0, 1], [0, 1]])
+    assert cache.keys[0].shape[0] == 4  # ...when the buffers are next used
+    assert cache.pos[:, :4].tolist() == [[0, 1, 2, 3], [7, 8, 9, 10], [0, 0, 0, 1], [0, 0, 0, 1]]
+    assert_kv_follows_metadata(cache)
+    cache.add_sequence(5)
+    cache.remove_sequences([0, 5])  # removing rows the buffers have not caught up with yet
+    assert cache.row_of == {2: 0, 3: 1, 4: 2} and cache.keys[0].shape[0] == 3
+    assert_kv_follows_metadata(cache)
+    cache.remove_sequences([2, 3, 4])
     assert cache.batch_size == 0 and cache.used == 0
 
 

@@ -27,6 +27,8 @@ Invariant, checked on every commit: a sequence's CONTEXT entries are exactly its
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -34,6 +36,11 @@ EMPTY = -2
 CONTEXT = -1
 PADDING = -3
 WINDOWED_LAYER_TYPES = ("full_attention", "sliding_attention")  # the layer kinds whose masks we can build
+
+
+def cache_keyword(model) -> str:
+    """The keyword a model's forward takes its KV cache by: `cache` (transformers >= 5.24) or `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def attention_windows(config) -> dict[str, int | None]:
@@ -104,15 +111,22 @@ class SlotCache:
         new_meta = torch.full((1, self.capacity), EMPTY, dtype=torch.long, device=self.device)
         self.owner = torch.cat([self.owner, new_meta])
         self.pos = torch.cat([self.pos, torch.zeros_like(new_meta)])
+        # the KV buffers get the new row at their next use (_kv_rows): sequences that join together cost one copy
+
+    def _kv_rows(self) -> None:
+        """Give the KV buffers a (zero) row for every sequence added since they were last touched."""
         for i, k in enumerate(self.keys):
-            if k is not None:
-                self.keys[i] = torch.cat([k, k.new_zeros(1, *k.shape[1:])])
-                self.values[i] = torch.cat([self.values[i], k.new_zeros(1, *k.shape[1:])])
+            missing = self.batch_size - k.shape[0] if k is not None else 0
+            if missing > 0:
+                self.keys[i] = torch.cat([k, k.new_zeros(missing, *k.shape[1:])])
+                v = self.values[i]
+                self.values[i] = torch.cat([v, v.new_zeros(missing, *v.shape[1:])])
 
     def remove_sequences(self, seq_ids: list[int]) -> None:
         """Free the rows of finished sequences (they cost no more compute)."""
         if not seq_ids:
             return
+        self._kv_rows()
         gone = {self.row_of.pop(s) for s in seq_ids}
         for s in seq_ids:
             self.committed.pop(s)
@@ -138,6 +152,7 @@ class SlotCache:
         {layer type: mask}.
         """
         width = groups.shape[1]
+        self._kv_rows()
         self._make_room(width)
         cols = slice(self.used, self.used + width)
         self.owner[:, cols] = groups

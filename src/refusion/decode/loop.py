@@ -16,7 +16,7 @@ from collections.abc import Sequence as SequenceABC
 import torch
 
 from refusion.config import DecodeConfig
-from refusion.decode.cache import PADDING, SlotCache, attention_windows
+from refusion.decode.cache import PADDING, SlotCache, attention_windows, cache_keyword
 from refusion.decode.outputs import BatchStats, GenerationOutput, GenerationStats, RoundTrace
 from refusion.decode.program import Forward, Sequence
 from refusion.model.special_tokens import SpecialTokens, special_tokens_of
@@ -40,6 +40,7 @@ class Decoder:
         self.stats = BatchStats()
         self._next_id = 0
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._cache_keyword = cache_keyword(model)
 
     def add(self, prompt: list[int], cfg: DecodeConfig, *, mask_token_id: int | None, eos_token_ids: list[int],
             generator: torch.Generator | None = None, index: int = 0, trace: bool = False,
@@ -108,7 +109,7 @@ class Decoder:
         kwargs = {"logits_to_keep": keep} if self._logits_to_keep else {}
         start = time.perf_counter()
         out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask,
-                         past_key_values=self.cache.hf, use_cache=True, **kwargs)
+                         use_cache=True, **{self._cache_keyword: self.cache.hf}, **kwargs)
         logits = out.logits[:, -keep:]  # [B, keep, V]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

