@@ -101,3 +101,32 @@ def test_embedded_model_loads_offline_and_answers_with_its_preset():
     assert refusion.generate(model, ids, ar).sequences == refusion.generate(base, ids, ar).sequences
     if model.dtype == torch.float32:  # bf16 wide forwards may flip near-ties (docs/DECODING.md, Guarantees)
         assert out.sequences == refusion.generate(model, ids, ar).sequences
+
+
+def test_default_dtype_is_fp32_on_the_cpu():
+    """On the CPU the exact mode is AR decoding token for token only in fp32, so that is what load picks."""
+    from refusion.model.loading import default_dtype
+
+    assert default_dtype(torch.device("cpu")) == torch.float32
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decoding_passes_the_cache_by_the_keyword_the_model_takes(arch):
+    """transformers renamed `past_key_values` to `cache`: decoding must not trip its deprecation warning (every
+    `refusion generate` printed it), and must still drive a model whose forward only knows the old name."""
+    import warnings
+
+    from refusion.decode.cache import cache_keyword
+
+    model = tiny_model(arch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        out = refusion.generate(model, [[5, 6, 7]], max_new_tokens=4, strategy="autoregressive")
+    assert len(out.sequences[0]) == 4
+    assert cache_keyword(model) in ("cache", "past_key_values")
+
+    class OldSignature(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None):
+            return input_ids
+
+    assert cache_keyword(OldSignature()) == "past_key_values"
