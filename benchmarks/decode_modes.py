@@ -12,6 +12,7 @@ one JSON line.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import time
@@ -26,15 +27,15 @@ from refusion.model.loading import encode_prompts, load
 
 
 def modes(base: DecodeConfig, draft_lengths: list[int], draft_thresholds: list[float],
-          lookup_lengths: list[int]) -> dict[str, DecodeConfig]:
+          lookup_lengths: list[int], table_lengths: list[int]) -> dict[str, DecodeConfig]:
     out = {"autoregressive": base.replace(strategy="autoregressive")}
-    for d in draft_lengths:
-        for t in draft_thresholds:
-            for lookup in lookup_lengths:
-                name = f"speculative_d{d}" + (f"_t{t:g}" if t > 0 else "") + (f"_l{lookup}" if lookup else "")
-                cfg = base.replace(strategy="speculative", draft_length=d, draft_threshold=t, lookup_length=lookup)
-                out[name] = cfg.replace(predraft=False)
-                out[name + "_predraft"] = cfg.replace(predraft=True)
+    for d, t, lookup, table in itertools.product(draft_lengths, draft_thresholds, lookup_lengths, table_lengths):
+        name = (f"speculative_d{d}" + (f"_t{t:g}" if t > 0 else "") + (f"_l{lookup}" if lookup else "")
+                + (f"_n{table}" if table else ""))
+        cfg = base.replace(strategy="speculative", draft_length=d, draft_threshold=t, lookup_length=lookup,
+                           table_length=table)
+        out[name] = cfg.replace(predraft=False)
+        out[name + "_predraft"] = cfg.replace(predraft=True)
     out["refusion_fused"] = base.replace(strategy="refusion", fused_plan=True)
     out["refusion_unfused"] = base.replace(strategy="refusion", fused_plan=False)
     return out
@@ -52,6 +53,8 @@ def main() -> None:
                         "(0: the name without a _t suffix)")
     parser.add_argument("--lookup-lengths", default="0", help="speculative modes with each lookup_length "
                         "(0: the name without an _l suffix)")
+    parser.add_argument("--table-lengths", default="0", help="speculative modes with each table_length "
+                        "(0: the name without an _n suffix)")
     parser.add_argument("--modes", default=None, help="comma-separated subset of the mode names")
     parser.add_argument("--dtype", default=None)
     args = parser.parse_args()
@@ -63,7 +66,8 @@ def main() -> None:
     base = DecodeConfig(max_new_tokens=args.max_new_tokens, **settings)
     chosen = modes(base, [int(d) for d in args.draft_lengths.split(",")],
                    [float(t) for t in args.draft_thresholds.split(",")],
-                   [int(n) for n in args.lookup_lengths.split(",")])
+                   [int(n) for n in args.lookup_lengths.split(",")],
+                   [int(n) for n in args.table_lengths.split(",")])
     if args.modes:
         chosen = {name: chosen[name] for name in args.modes.split(",")}
     for cfg in chosen.values():  # warm-up

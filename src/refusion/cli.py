@@ -19,6 +19,7 @@ SUBCOMMANDS = [
     "refusion.serve.cli",
     "refusion.viz.cli",
     "refusion.model.adapter",
+    "refusion.decode.draft_table",
 ]
 
 

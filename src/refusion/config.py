@@ -84,6 +84,11 @@ class DecodeConfig:
     this many tokens by copying what followed them (prompt lookup), instead of the masks' drafts; 0: never.
     Never changes the output."""
 
+    table_length: int = 0
+    """speculative: when prompt lookup finds nothing, draft up to this many tokens from the model's draft table
+    (what the model's own answers usually write after the last tokens: `refusion.decode.draft_table`), instead
+    of the masks' drafts; 0, or a model without a table: never. Never changes the output."""
+
     predraft: bool = False
     """speculative: in each forward, draft the next tokens for every possible acceptance length (wider forwards,
     drafts ready whatever is accepted) instead of one chain after the drafts (no drafts after a rejection)."""
@@ -118,8 +123,9 @@ class DecodeConfig:
         _require(self.strategy in STRATEGIES, "strategy", self.strategy, f"must be one of {', '.join(STRATEGIES)}")
         _require(isinstance(self.draft_length, int) and self.draft_length >= 1,
                  "draft_length", self.draft_length, "must be an integer >= 1")
-        _require(isinstance(self.lookup_length, int) and self.lookup_length >= 0,
-                 "lookup_length", self.lookup_length, "must be an integer >= 0")
+        for name in ("lookup_length", "table_length"):
+            _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 0,
+                     name, getattr(self, name), "must be an integer >= 0")
         for name in ("predraft", "fused_plan"):
             _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be true or false")
         _require(self.kv_cache in KV_CACHE_MODES, "kv_cache", self.kv_cache,

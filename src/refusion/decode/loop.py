@@ -17,6 +17,7 @@ import torch
 
 from refusion.config import DecodeConfig
 from refusion.decode.cache import PADDING, SlotCache, attention_windows, cache_keyword
+from refusion.decode.draft_table import draft_table_of
 from refusion.decode.outputs import BatchStats, GenerationOutput, GenerationStats, RoundTrace
 from refusion.decode.program import Forward, Sequence
 from refusion.model.special_tokens import SpecialTokens, special_tokens_of
@@ -41,6 +42,7 @@ class Decoder:
         self._next_id = 0
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cache_keyword = cache_keyword(model)
+        self.draft_table = draft_table_of(model)
 
     def add(self, prompt: list[int], cfg: DecodeConfig, *, mask_token_id: int | None, eos_token_ids: list[int],
             generator: torch.Generator | None = None, index: int = 0, trace: bool = False,
@@ -53,7 +55,8 @@ class Decoder:
         validate_prompts(self.model, [prompt], cfg, mask_token_id, first_index=index)
         generator = sequence_generator(cfg, index, generator, self.device)
         seq = Sequence(self._next_id, prompt, cfg, mask_token_id=mask_token_id, eos_token_ids=eos_token_ids,
-                       cache=self.cache, device=self.device, generator=generator, trace=trace, on_round=on_round)
+                       cache=self.cache, device=self.device, generator=generator, trace=trace, on_round=on_round,
+                       draft_table=self.draft_table)
         self._next_id += 1
         self.live[seq.id] = (seq, next(seq.program))
         return seq

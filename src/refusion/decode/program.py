@@ -20,6 +20,7 @@ import torch
 
 from refusion.config import DecodeConfig
 from refusion.decode.cache import SlotCache
+from refusion.decode.draft_table import DraftTable
 from refusion.decode.infill import (
     accepted_prefix,
     cut_after_first_eos,
@@ -75,8 +76,10 @@ class Sequence:
 
     def __init__(self, seq_id: int, prompt: list[int], cfg: DecodeConfig, *, mask_token_id: int | None,
                  eos_token_ids: list[int], cache: SlotCache, device: torch.device,
-                 generator: torch.Generator | None = None, trace: bool = False, on_round=None):
+                 generator: torch.Generator | None = None, trace: bool = False, on_round=None,
+                 draft_table: DraftTable | None = None):
         self.id, self.cfg, self.cache, self.device = seq_id, cfg, cache, device
+        self.draft_table = draft_table  # the model's n-gram drafts (exact mode, cfg.table_length), or None
         self.prompt = torch.tensor(prompt, dtype=torch.long, device=device)
         self.mask_token_id = mask_token_id
         self.eos_ids = torch.tensor(eos_token_ids, dtype=torch.long, device=device)
@@ -366,7 +369,8 @@ def speculative_program(seq: Sequence) -> Program:
     commits at least one token. A single chain of masks (after the drafts) drafts only when every draft
     is accepted; `cfg.predraft` adds one chain of masks per possible acceptance length. With
     `cfg.lookup_length`, a round whose last tokens occurred earlier in the text verifies the tokens that followed
-    them instead (prompt lookup), without masks.
+    them instead (prompt lookup), without masks; with `cfg.table_length`, a round with nothing to copy verifies
+    what the model's draft table says usually follows, also without masks.
     """
     cfg, device = seq.cfg, seq.device
     prompt_length, draft_length = seq.prompt_length, cfg.draft_length
@@ -397,6 +401,8 @@ def speculative_program(seq: Sequence) -> Program:
             return
         phases["verify"] = phases.get("verify", 0) + 1
         copied = lookup_drafts(text + token.tolist(), cfg.lookup_length) if cfg.lookup_length else []
+        if not copied and cfg.table_length and seq.draft_table is not None:
+            copied = seq.draft_table.drafts(text + token.tolist(), cfg.table_length)
         if copied:
             drafts = copied_drafts(copied, logits.shape[-1], cfg.temperature, device)
         drafts = drafts[: end - 1 - position]

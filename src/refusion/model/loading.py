@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from refusion.decode.draft_table import attach_draft_table
 from refusion.model import build_cache, embedded
 from refusion.model.adapter import adapter_base, adapter_gate, is_adapter_dir
 from refusion.model.narrow import use_narrow_linears
@@ -143,6 +144,7 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
                          "cache, and the hub cannot be reached (this machine is offline)")
     model, tokenizer = _load_or_build(source, dtype, attn_implementation)
     model.to(device).eval()
+    attach_draft_table(model, source.adapter_dir or source.path)  # the exact mode's n-gram drafts, when shipped
     use_narrow_linears(model)  # CPU: few-token forwards multiply weight-major where that is faster here
     tokens = resolve_special_tokens(model, tokenizer)
     if tokens.eos_token_ids:  # transformers' own `generate` (and a saved copy) stops where refusion does

@@ -1,0 +1,147 @@
+"""A model's draft table: what its own answers usually write after a few tokens, as drafts for the exact mode.
+
+A small model's answers repeat themselves across prompts ("The final answer is", "```python\\ndef", "Let's
+break it down"), and prompt lookup cannot see what is not in the prompt or the response yet. The table is
+n-gram statistics of the model's own greedy answers (the distilled set it was trained on): for each run of
+`order` tokens seen at least `min_count` times, the token that most often followed it and how often it did.
+Drafting walks the table greedily: the token after the text's last `order` tokens, then the token after the
+new last `order` tokens, and so on, while the product of the followers' frequencies stays at or above
+`min_confidence`.
+
+Drafts from the table are verified like copied ones (`speculate.copied_drafts`): AR decoding still decides
+every token, so the table never changes the output, only how many tokens a forward commits.
+
+Shipped next to a model as `draft_table.safetensors` (`refusion.load` attaches it; `draft_table_of(model)`
+reads it back) and built by `refusion draft-table`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+TABLE_FILE = "draft_table.safetensors"
+_ATTRIBUTE = "refusion_draft_table"
+
+
+@dataclass(frozen=True)
+class DraftTable:
+    """Most frequent follower of each frequent run of `order` tokens in a model's own answers."""
+
+    order: int
+    """How many of the text's last tokens select the next draft."""
+
+    min_confidence: float
+    """Drafting stops before the product of the followers' frequencies falls below this."""
+
+    followers: dict[tuple[int, ...], tuple[int, float]] = field(repr=False)
+    """{run of `order` tokens: (the token that most often followed it, how often it did: count / runs)}."""
+
+    @staticmethod
+    def from_sequences(sequences: Iterable[list[int]], order: int = 3, min_count: int = 2,
+                       min_confidence: float = 0.3) -> DraftTable:
+        """Count, in each token sequence, which token follows each run of `order` tokens; keep the runs seen
+        at least `min_count` times."""
+        if order < 1 or min_count < 1 or not 0 < min_confidence <= 1:
+            raise ValueError(f"draft table: order={order} and min_count={min_count} must be >= 1 and "
+                             f"min_confidence={min_confidence} in (0, 1]")
+        counts: dict[tuple[int, ...], collections.Counter] = collections.defaultdict(collections.Counter)
+        for ids in sequences:
+            for i in range(len(ids) - order):
+                counts[tuple(ids[i: i + order])][ids[i + order]] += 1
+        followers = {}
+        for run, after in counts.items():
+            total = sum(after.values())
+            if total >= min_count:
+                token, n = after.most_common(1)[0]
+                followers[run] = (token, n / total)
+        return DraftTable(order, min_confidence, followers)
+
+    def drafts(self, text: list[int], length: int) -> list[int]:
+        """Up to `length` tokens that the model's answers usually write after `text`; [] when its last tokens
+        are not in the table."""
+        context, out, confidence = list(text[-self.order:]), [], 1.0
+        while len(out) < length and len(context) == self.order:
+            follower = self.followers.get(tuple(context))
+            if follower is None or confidence * follower[1] < self.min_confidence:
+                break
+            confidence *= follower[1]
+            out.append(follower[0])
+            context = context[1:] + [follower[0]]
+        return out
+
+    def save(self, path: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        runs = torch.tensor(list(self.followers), dtype=torch.int32).reshape(-1, self.order)
+        values = list(self.followers.values())
+        save_file({"runs": runs, "followers": torch.tensor([v[0] for v in values], dtype=torch.int32),
+                   "frequencies": torch.tensor([v[1] for v in values], dtype=torch.float32)},
+                  str(path), metadata={"order": str(self.order), "min_confidence": str(self.min_confidence)})
+
+    @staticmethod
+    def load(path: str | Path) -> DraftTable:
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata() or {}
+                runs, followers, frequencies = (f.get_tensor(k) for k in ("runs", "followers", "frequencies"))
+            order, min_confidence = int(meta["order"]), float(meta["min_confidence"])
+        except Exception as e:  # a damaged or foreign file: say which, not where safetensors tripped
+            raise ValueError(f"{path} is not a draft table ({type(e).__name__}: {e})") from None
+        if runs.shape != (followers.numel(), order) or frequencies.shape != followers.shape:
+            raise ValueError(f"{path} is not a draft table (its tensors do not line up)")
+        table = dict(zip(map(tuple, runs.tolist()), zip(followers.tolist(), frequencies.tolist())))
+        return DraftTable(order, min_confidence, table)
+
+
+def attach_draft_table(model, directory: str | Path) -> None:
+    """Give `model` the draft table saved in `directory`, when there is one."""
+    path = Path(directory) / TABLE_FILE
+    if path.is_file():
+        setattr(model, _ATTRIBUTE, DraftTable.load(path))
+
+
+def draft_table_of(model) -> DraftTable | None:
+    """The draft table `refusion.load` attached to the model; None when it has none."""
+    return getattr(model, _ATTRIBUTE, None)
+
+
+# --------------------------------------------------------------------------------- command line
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("draft-table", help="build a model's draft table from its own answers",
+                              description="Build the draft table of a model (n-gram statistics of its own "
+                                          "answers, drafts for the exact mode) from training records "
+                                          '({"query", "response"} JSONL, .gz allowed), and save it as '
+                                          f"DIR/{TABLE_FILE}, where `refusion.load(DIR)` finds it.")
+    p.add_argument("data", nargs="+", help="training record files (the model's own answers)")
+    p.add_argument("--model", default=None, help="the model whose tokenizer reads the answers (default: embedded)")
+    p.add_argument("--output", required=True, metavar="DIR", help="the model or adapter directory to save it in")
+    p.add_argument("--order", type=int, default=3)
+    p.add_argument("--min-count", type=int, default=2)
+    p.add_argument("--min-confidence", type=float, default=0.3)
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from refusion.model.loading import load
+    from refusion.train.data import load_training_data, response_eos_id
+
+    output = Path(args.output)
+    if not output.is_dir():
+        raise ValueError(f"--output {output} is not a directory")
+    _, tokenizer = load(args.model)
+    data = load_training_data(tuple(args.data), tokenizer, eos_id=response_eos_id(tokenizer), max_length=2**31)
+    # each answer with the end of its prompt (the chat template's assistant header): the table drafts openings too
+    answers = [p[-args.order:].tolist() + r.tolist() for p, r in zip(data.prompts, data.responses)]
+    table = DraftTable.from_sequences(answers, args.order, args.min_count, args.min_confidence)
+    table.save(output / TABLE_FILE)
+    print(f"draft table: {len(table.followers)} runs of {args.order} tokens from {len(answers)} answers "
+          f"-> {output / TABLE_FILE}")
+    return 0

@@ -1,0 +1,88 @@
+"""The draft table: n-gram statistics of a model's own answers, verified like copied drafts (never changing the
+output), saved beside the weights, built by `refusion draft-table`."""
+
+import json
+
+import pytest
+import torch
+
+import refusion
+from refusion.decode.draft_table import TABLE_FILE, DraftTable, attach_draft_table, draft_table_of
+from refusion.model.tiny import tiny_model, tiny_tokenizer
+
+
+def test_the_table_keeps_each_frequent_run_s_most_frequent_follower():
+    table = DraftTable.from_sequences([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 5], [7, 8, 9, 4]], order=3, min_count=2)
+    assert table.followers == {(1, 2, 3): (4, 2 / 3)}  # (2, 3, 4) etc. were seen once: left out
+    assert DraftTable.from_sequences([[7, 8, 9, 4]], min_count=1).followers == {(7, 8, 9): (4, 1.0)}
+    with pytest.raises(ValueError, match="min_confidence"):
+        DraftTable.from_sequences([], min_confidence=0)
+
+
+def test_drafts_walk_the_table_while_confident():
+    table = DraftTable(2, 0.3, {(1, 2): (3, 0.9), (2, 3): (4, 0.5), (3, 4): (5, 0.5), (4, 5): (6, 1.0)})
+    assert table.drafts([9, 1, 2], 8) == [3, 4]  # 0.9 * 0.5 = 0.45 >= 0.3; * 0.5 = 0.225 < 0.3: stop
+    assert table.drafts([9, 1, 2], 1) == [3]  # at most `length`
+    assert table.drafts([3, 4], 8) == [5, 6]  # 0.5, then 0.5 * 1.0
+    assert table.drafts([2, 1], 8) == [] and table.drafts([2], 8) == []  # unknown run; too short a text
+
+
+def test_a_table_saves_loads_and_a_damaged_file_is_a_one_line_error(tmp_path):
+    table = DraftTable.from_sequences([[1, 2, 3, 4, 1, 2, 3, 4], [5, 1, 2, 3, 6]], order=3, min_count=2,
+                                      min_confidence=0.25)
+    table.save(tmp_path / TABLE_FILE)
+    loaded = DraftTable.load(tmp_path / TABLE_FILE)
+    assert (loaded.order, loaded.min_confidence) == (3, 0.25)
+    assert loaded.followers.keys() == table.followers.keys() and table.followers
+    for run, (token, frequency) in table.followers.items():  # frequencies are stored in fp32
+        assert loaded.followers[run] == (token, pytest.approx(frequency, rel=1e-6))
+    (tmp_path / TABLE_FILE).write_bytes(b"not a table")
+    with pytest.raises(ValueError, match="is not a draft table"):
+        DraftTable.load(tmp_path / TABLE_FILE)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_table_drafts_never_change_the_output_and_are_accepted_when_they_are_the_model_s(arch):
+    model = tiny_model(arch)
+    prompts = [[1, 5, 7, 9], [12, 13, 14, 15, 16], [9]]
+    cfg = refusion.DecodeConfig(max_new_tokens=24, strategy="speculative", draft_length=1, eos_token_id=2)
+    ar = refusion.generate(model, prompts, cfg.replace(strategy="autoregressive")).sequences
+    # the table of the model's own answers: its drafts are what AR decoding writes wherever the runs are unique
+    attach = DraftTable.from_sequences([p[-3:] + s for p, s in zip(prompts, ar)], min_count=1, min_confidence=0.5)
+    model.refusion_draft_table = attach
+    without = refusion.generate(model, prompts, cfg)
+    with_table = refusion.generate(model, prompts, cfg.replace(table_length=4), trace=True)
+    assert with_table.sequences == without.sequences == ar
+    assert with_table.stats.batch.forwards < without.stats.batch.forwards
+    longest = max(len(e.tokens) for rounds in with_table.traces for r in rounds for e in r.planned)
+    assert longest > 1  # only table drafts run longer than the one mask's
+
+
+def test_table_drafts_at_temperature_keep_the_output_reproducible_and_exact_in_greedy_limit():
+    model = tiny_model("qwen3", dtype=torch.float64)
+    prompts = [[1, 5, 7, 9], [12, 13, 14, 15, 16]]
+    cfg = refusion.DecodeConfig(max_new_tokens=16, strategy="speculative", temperature=2.0, seed=3, eos_token_id=[])
+    model.refusion_draft_table = DraftTable.from_sequences([[5, 7, 9, 1, 2, 3, 4]], min_count=1)
+    sampled = refusion.generate(model, prompts, cfg.replace(table_length=3)).sequences
+    assert refusion.generate(model, prompts, cfg.replace(table_length=3)).sequences == sampled
+    assert refusion.generate(model, prompts[:1], cfg.replace(table_length=3)).sequences == sampled[:1]
+
+
+def test_draft_table_command_builds_the_table_that_load_attaches(tmp_path):
+    from refusion.cli import main
+
+    model, tokenizer = tiny_model(), tiny_tokenizer()
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    records = [{"query": "hello", "response": "hello world hello world"}] * 3
+    (tmp_path / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert draft_table_of(refusion.load(tmp_path / "m", dtype="float32", device="cpu")[0]) is None
+    assert main(["draft-table", str(tmp_path / "answers.jsonl"), "--model", str(tmp_path / "m"),
+                 "--output", str(tmp_path / "m")]) == 0
+    loaded, _ = refusion.load(tmp_path / "m", dtype="float32", device="cpu")
+    table = draft_table_of(loaded)
+    ids = tokenizer("hello world hello world", add_special_tokens=False)["input_ids"]
+    assert table is not None and table.drafts(ids[:3], 1) == ids[3:4]
+    assert main(["draft-table", str(tmp_path / "answers.jsonl"), "--output", str(tmp_path / "nowhere")]) == 2
+    attach_draft_table(model, tmp_path)  # no table there: nothing attached
+    assert draft_table_of(model) is None
