@@ -10,7 +10,8 @@
 # 2. a mask-gated LoRA adapter trained on the first set (src/refusion/recipes/refusion-smol-v2.yaml)
 #    ~70 min on 2 AVX2 cores in fp32, ~32 min on 2 AMX cores in bf16
 # 3. that adapter trained on the second set (src/refusion/recipes/refusion-smol-v2-continue.yaml)
-# 4. packaging: the adapter in bf16 where `refusion.load()` finds it.
+# 4. packaging: the adapter in bf16 where `refusion.load()` finds it, with its draft table (n-gram statistics of
+#    both distilled sets: drafts for the exact mode, `refusion draft-table`).
 set -euo pipefail
 OUT=${1:-runs/refusion-smol-v2}
 DATA=recipes/data/refusion-smol-v2-distill.jsonl.gz
@@ -34,4 +35,6 @@ train() {  # train STAGE_DIR ARGS...: resumes an interrupted run, skips a finish
 train "$OUT/train" --config refusion-smol-v2
 train "$OUT/continue" --config refusion-smol-v2-continue --lora-init "$OUT/train/adapter"
 
-refusion export-adapter "$OUT/continue/adapter" src/refusion/assets/refusion-smol/adapter --overwrite
+ADAPTER=src/refusion/assets/refusion-smol/adapter
+refusion export-adapter "$OUT/continue/adapter" "$ADAPTER" --overwrite
+refusion draft-table "$DATA" "$DATA2" --model smollm2 --output "$ADAPTER"

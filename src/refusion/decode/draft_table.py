@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,6 +84,7 @@ class DraftTable:
         save_file({"runs": runs, "followers": torch.tensor([v[0] for v in values], dtype=torch.int32),
                    "frequencies": torch.tensor([v[1] for v in values], dtype=torch.float32)},
                   str(path), metadata={"order": str(self.order), "min_confidence": str(self.min_confidence)})
+        os.chmod(path, 0o644)  # may ship as package data: readable by every user
 
     @staticmethod
     def load(path: str | Path) -> DraftTable:
