@@ -168,9 +168,10 @@ PRESETS: dict[str, dict] = {
     "mbpp": dict(slot_size=32, slot_threshold=0.9, token_threshold=0.3, block_size=128),
     # the exact mode with one draft per forward: the fastest over three runs of d 1-3, with and without pre-drafts,
     # on the CPU where refusion-smol v2 was measured (docs/BENCHMARKS.md, "Narrow forwards"), plus copied drafts of
-    # up to 4 tokens (docs/BENCHMARKS.md, "Prompt lookup in the exact mode"); for plan and infill,
+    # up to 4 tokens (docs/BENCHMARKS.md, "Prompt lookup in the exact mode") and, when there is nothing to copy, up
+    # to 8 drafts from the model's draft table (docs/BENCHMARKS.md, "The draft table"); for plan and infill,
     # the fastest of a k x tau_slot sweep of v2 (docs/BENCHMARKS.md, "Plan-and-infill settings of refusion-smol v2")
-    "refusion-smol": dict(strategy="speculative", draft_length=1, predraft=False, lookup_length=4,
+    "refusion-smol": dict(strategy="speculative", draft_length=1, predraft=False, lookup_length=4, table_length=8,
                           slot_size=2, slot_threshold=0.5, token_threshold=0.3, block_size=16),
 }
 

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,15 +151,18 @@ def apply_lora(model, config: TrainConfig, mask_token_id: int):
 
     from refusion.model.adapter import gate_lora_at_masks
 
-    if config.lora_init is not None:
-        peft_model = PeftModel.from_pretrained(model, config.lora_init, is_trainable=True)
-    else:
-        targets = config.lora_target_modules
-        targets = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
-        lora_config = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                                 target_modules=targets, task_type="CAUSAL_LM",
-                                 trainable_token_indices=[mask_token_id])
-        peft_model = get_peft_model(model, lora_config)
+    # peft reads transformers' `is_gradient_checkpointing`, deprecated in v5: its FutureWarning is not the user's
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        if config.lora_init is not None:
+            peft_model = PeftModel.from_pretrained(model, config.lora_init, is_trainable=True)
+        else:
+            targets = config.lora_target_modules
+            targets = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+            lora_config = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha,
+                                     lora_dropout=config.lora_dropout, target_modules=targets, task_type="CAUSAL_LM",
+                                     trainable_token_indices=[mask_token_id])
+            peft_model = get_peft_model(model, lora_config)
     if config.lora_gate == "mask":
         gate_lora_at_masks(peft_model, mask_token_id)
     return peft_model
