@@ -78,8 +78,6 @@ class MaskRows:
         """[B, S, 1] bool: which positions hold the mask token."""
         self.rows = None
         """Flat indices (into B * S) of those positions."""
-        self.span = None
-        """slice(first, last + 1) of those indices when they are one run (the masks of one sequence), else None."""
         self.handle = model.get_input_embeddings().register_forward_pre_hook(self._read)
 
     def _read(self, module, args, kwargs=None):
@@ -87,11 +85,6 @@ class MaskRows:
         is_mask = input_ids == self.mask_token_id
         self.dense = is_mask.unsqueeze(-1)
         self.rows = is_mask.reshape(-1).nonzero().squeeze(1)
-        self.span = None
-        if self.rows.numel():
-            first, last = self.rows[[0, -1]].tolist()
-            if last - first + 1 == self.rows.numel():
-                self.span = slice(first, last + 1)
 
     @property
     def narrow(self) -> bool:
@@ -117,10 +110,7 @@ class MaskGatedLoRA(nn.Module):
         if rows is None or rows.numel() == 0:
             return out
         flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
-        span = self.mask_rows.span
-        if span is not None:  # one run of masks (a sequence's drafts): update just those rows, in place
-            flat_out[span].addmm_(torch.mm(flat_x[span], self.lora_a), self.lora_b)
-        elif self.mask_rows.narrow:  # a few rows: fewer ops to update them all, times the 0/1 gate
+        if self.mask_rows.narrow:  # a few rows: fewer ops to update them all, times the 0/1 gate
             low = torch.mm(flat_x, self.lora_a).mul_(self.mask_rows.dense.reshape(-1, 1))
             flat_out.addmm_(low, self.lora_b)
         else:
