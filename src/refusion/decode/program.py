@@ -400,9 +400,10 @@ def speculative_program(seq: Sequence) -> Program:
             seq.finish("eos" if eos else "length")
             return
         phases["verify"] = phases.get("verify", 0) + 1
-        copied = lookup_drafts(text + token.tolist(), cfg.lookup_length) if cfg.lookup_length else []
+        so_far = text + token.tolist()
+        copied = lookup_drafts(so_far, cfg.lookup_length) if cfg.lookup_length else []
         if not copied and cfg.table_length and seq.draft_table is not None:
-            copied = seq.draft_table.drafts(text + token.tolist(), cfg.table_length)
+            copied = seq.draft_table.drafts(so_far, cfg.table_length)
         if copied:
             drafts = copied_drafts(copied, logits.shape[-1], cfg.temperature, device)
         drafts = drafts[: end - 1 - position]
