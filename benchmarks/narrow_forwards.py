@@ -111,9 +111,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--no-masks", action="store_true", help="forward costs without masks among the new tokens")
     parser.add_argument("--dtype", default=None)
+    parser.add_argument("--attn", default=None, help="attention implementation: sdpa or eager (default: what load picks)")
     args = parser.parse_args()
 
-    model, tokenizer = load(args.model, dtype=args.dtype)
+    model, tokenizer = load(args.model, dtype=args.dtype, attn_implementation=args.attn)
     layers = [m for m in model.modules() if type(m) in (nn.Linear, NarrowLinear)]
     padded_rows = row_padding(weight_major_row_times(layers))
     print(f"row padding the probe picks (index: rows): {padded_rows}")
@@ -124,7 +125,7 @@ def main() -> None:
     for kind, by_width in cost.items():
         print(f"{kind:6s}" + " ".join(f"{by_width[w]:6.0f}" for w in widths) + "  ms")
 
-    report = {"benchmark": "narrow_forwards", "model": args.model or "refusion-smol", "dtype": str(model.dtype),
+    report = {"benchmark": "narrow_forwards", "model": args.model or "refusion-smol", "dtype": str(model.dtype), "attn": model.config._attn_implementation,
               "layers": len(layers), "padded_rows": padded_rows, "masks": not args.no_masks, "threads": torch.get_num_threads(),
               "torch": torch.__version__, "machine": platform.machine(), "forward_ms": cost}
     if args.prompts == 0:

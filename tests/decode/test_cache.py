@@ -231,6 +231,27 @@ def test_pending_verbs_touch_only_their_own_row():
     assert live(cache, 0) == [(CONTEXT, 0)] and live(cache, 1) == []
 
 
+def test_columns_after_the_last_entry_are_reused():
+    """Drafts dropped at the end of the buffer leave no hole: the next forward writes where they were, so a
+    sequence decoded alone keeps its context in position order, in the columns AR decoding uses."""
+    cache = make_cache(1)
+    prefill(cache, 3)
+    forward(cache, [[0, 0, 0, 0]], [[3, 4, 5, 6]])
+    cache.commit(0, torch.tensor([3, 4]))  # 5 and 6 dropped: the last two columns
+    forward(cache, [[0]], [[5]])
+    assert cache.used == 6 and live(cache) == [(CONTEXT, p) for p in range(5)] + [(0, 5)]
+    assert (cache.owner[0, :6] != EMPTY).all()
+    assert_kv_follows_metadata(cache)
+    # in a batch, columns another row still uses are kept (and the row that dropped them has a hole)
+    cache = make_cache(2)
+    forward(cache, [[0, 0, 0], [0, 0, 0]], [[0, 1, 2], [0, 1, 2]])
+    cache.commit(0, torch.tensor([0, 1, 2]))
+    cache.commit(1, torch.tensor([0]))
+    forward(cache, [[0], [0]], [[3], [1]])
+    assert cache.used == 4 and live(cache, 1) == [(CONTEXT, 0), (0, 1)]
+    assert_kv_follows_metadata(cache)
+
+
 # ------------------------------------------------------------------------------------------- space
 def test_compaction_moves_live_entries_to_the_front_with_their_kv():
     cache = make_cache(2)

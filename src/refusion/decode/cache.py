@@ -43,6 +43,22 @@ def cache_keyword(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+ADDITIVE_MASK_ATTENTION = ("eager", "refusion_exact")
+"""Attention implementations that take additive float masks (sdpa takes boolean ones)."""
+
+
+def attention_mask_dtype(model) -> torch.dtype | None:
+    """The dtype of the masks a model's attention takes: None for boolean (sdpa), the model's dtype for additive
+    ones. Raises ValueError for implementations that cannot take ReFusion's masks (flash attention, ...)."""
+    attn = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
+    if attn == "sdpa":
+        return None
+    if attn in ADDITIVE_MASK_ATTENTION:
+        return model.dtype
+    raise ValueError(f"attention implementation {attn!r} cannot take the masks ReFusion needs: "
+                     f"load the model with attn_implementation='sdpa' (or one of {', '.join(ADDITIVE_MASK_ATTENTION)})")
+
+
 def attention_windows(config) -> dict[str, int | None]:
     """The window of each kind of attention layer of a (text) config: {layer type: window, None for full}.
 
@@ -210,12 +226,22 @@ class SlotCache:
 
     # ----------------------------------------------------------------------------- space
     def _make_room(self, width: int) -> None:
+        self._reuse_empty_tail()
         live = int((self.owner[:, :self.used] != EMPTY).sum(1).max()) if self.used else 0
         waste = self.used - live
         if self.used + width > self.capacity or waste > max(64, live // 2):
             self.compact()
         if self.used + width > self.capacity:
             self._grow(max(self.used + width, int(self.capacity * 1.5)))
+
+    def _reuse_empty_tail(self) -> None:
+        """Give back the columns after the last entry of any row (the drafts and masks a forward just dropped).
+        A sequence decoded alone then keeps its context hole-free and in position order, in the very columns
+        AR decoding would use: with row-exact products (`refusion.model.row_exact`), its attention reads the same
+        numbers in the same order, and the exact mode stays AR decoding bit for bit."""
+        if self.used:
+            filled = (self.owner[:, :self.used] != EMPTY).any(0).nonzero()
+            self.used = int(filled[-1]) + 1 if filled.numel() else 0
 
     def compact(self) -> None:
         """Move every row's live entries to the front of the buffer (their order is irrelevant)."""

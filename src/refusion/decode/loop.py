@@ -16,7 +16,7 @@ from collections.abc import Sequence as SequenceABC
 import torch
 
 from refusion.config import DecodeConfig
-from refusion.decode.cache import PADDING, SlotCache, attention_windows, cache_keyword
+from refusion.decode.cache import PADDING, SlotCache, attention_mask_dtype, attention_windows, cache_keyword
 from refusion.decode.draft_table import draft_table_of
 from refusion.decode.outputs import BatchStats, GenerationOutput, GenerationStats, RoundTrace
 from refusion.decode.program import Forward, Sequence
@@ -29,11 +29,7 @@ class Decoder:
     def __init__(self, model, capacity: int = 512):
         self.model = model
         self.device = next(model.parameters()).device
-        attn = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
-        if attn not in ("sdpa", "eager"):
-            raise ValueError(f"attention implementation {attn!r} cannot take the masks ReFusion needs: "
-                             "load the model with attn_implementation='sdpa' (or 'eager')")
-        mask_dtype = None if attn == "sdpa" else model.dtype
+        mask_dtype = attention_mask_dtype(model)
         text_config = model.config.get_text_config()
         self.cache = SlotCache(text_config.num_hidden_layers, self.device, capacity, mask_dtype,
                                attention_windows(text_config))

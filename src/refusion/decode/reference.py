@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from refusion.config import DecodeConfig
+from refusion.decode.cache import attention_mask_dtype
 
 
 class _Context:
@@ -49,10 +50,9 @@ def _forward(model, ctx: _Context, rows: list[tuple[list[int], list[int]]]) -> l
         mask[r, n:n + w, :n] = True
         mask[r, n:n + w, n:n + w] = torch.ones(w, w, dtype=torch.bool).tril()
         mask[r, n + w:, n + w:] = torch.eye(width - w, dtype=torch.bool)  # padding sees itself only
-    attn = model.config._attn_implementation
     mask4 = mask[:, None].to(device)
-    if attn == "eager":
-        mask4 = torch.zeros(mask4.shape, dtype=model.dtype, device=device).masked_fill(~mask4, torch.finfo(model.dtype).min)
+    if (mask_dtype := attention_mask_dtype(model)) is not None:
+        mask4 = torch.zeros(mask4.shape, dtype=mask_dtype, device=device).masked_fill(~mask4, torch.finfo(mask_dtype).min)
     logits = model(input_ids=ids.to(device), position_ids=pos.to(device), attention_mask=mask4, use_cache=False).logits
     return [logits[r, n:n + len(t)].float().cpu() for r, (t, _) in enumerate(rows)]
 

@@ -93,15 +93,18 @@ class MaskRows:
 
 
 class MaskGatedLoRA(nn.Module):
-    """A linear layer plus a LoRA update applied only at the mask rows (inference; the base layer is untouched)."""
+    """A linear layer plus a LoRA update applied only at the mask rows (inference; the base layer is untouched).
+
+    The update is computed in fp32 whatever the base's dtype: on the CPU, bf16 products this small cost more than
+    fp32 ones (210 rank-32 updates of a 4-row forward of SmolLM2-135M: 10.6 ms in bf16, 4.3 ms in fp32), and they
+    only ever touch mask rows, whose predictions are drafts."""
 
     def __init__(self, base: nn.Linear, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float,
                  mask_rows: MaskRows):
         super().__init__()
         self.base_layer = base
-        dtype = base.weight.dtype
-        self.register_buffer("lora_a", lora_a.t().contiguous().to(dtype), persistent=False)  # [in, r]
-        self.register_buffer("lora_b", (lora_b * scaling).t().contiguous().to(dtype), persistent=False)  # [r, out]
+        self.register_buffer("lora_a", lora_a.t().contiguous().float(), persistent=False)  # [in, r]
+        self.register_buffer("lora_b", (lora_b.float() * scaling).t().contiguous(), persistent=False)  # [r, out]
         self.mask_rows = mask_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,11 +114,14 @@ class MaskGatedLoRA(nn.Module):
             return out
         flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
         if self.mask_rows.narrow:  # a few rows: fewer ops to update them all, times the 0/1 gate
-            low = torch.mm(flat_x, self.lora_a).mul_(self.mask_rows.dense.reshape(-1, 1))
-            flat_out.addmm_(low, self.lora_b)
+            low = torch.mm(flat_x.float(), self.lora_a).mul_(self.mask_rows.dense.reshape(-1, 1))
+            if flat_out.dtype == low.dtype:
+                flat_out.addmm_(low, self.lora_b)
+            else:
+                flat_out.add_(torch.mm(low, self.lora_b).to(flat_out.dtype))
         else:
-            low = torch.mm(flat_x.index_select(0, rows), self.lora_a)
-            flat_out.index_add_(0, rows, torch.mm(low, self.lora_b))
+            low = torch.mm(flat_x.index_select(0, rows).float(), self.lora_a)
+            flat_out.index_add_(0, rows, torch.mm(low, self.lora_b).to(flat_out.dtype))
         return out
 
 

