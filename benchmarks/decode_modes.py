@@ -57,7 +57,8 @@ def main() -> None:
                         "(0: the name without an _n suffix)")
     parser.add_argument("--modes", default=None, help="comma-separated subset of the mode names")
     parser.add_argument("--dtype", default=None)
-    parser.add_argument("--attn", default=None, help="attention implementation: sdpa or eager (default: what load picks)")
+    parser.add_argument("--attn", default=None,
+                        help="attention implementation: sdpa, eager or refusion_exact (default: what load picks)")
     args = parser.parse_args()
 
     model, tokenizer = load(args.model, dtype=args.dtype, attn_implementation=args.attn)
@@ -110,7 +111,8 @@ def main() -> None:
         saved = 1 - totals["refusion_fused"]["forwards"] / totals["refusion_unfused"]["forwards"]
         print(f"fused planning: {100 * saved:.1f} % fewer forwards than unfused")
     print(json.dumps({"benchmark": "decode_modes", "model": args.model or "refusion-smol",
-                      "dtype": str(next(model.parameters()).dtype), "attn": model.config._attn_implementation, "prompts": len(prompts), "skip": args.skip,
+                      "dtype": str(next(model.parameters()).dtype), "attn": model.config._attn_implementation,
+                      "prompts": len(prompts), "skip": args.skip,
                       "max_new_tokens": args.max_new_tokens, "settings": settings, "threads": torch.get_num_threads(),
                       "torch": torch.__version__, "machine": platform.machine(), "results": totals,
                       "time": time.strftime("%Y-%m-%dT%H:%M:%S")}))

@@ -1,5 +1,5 @@
 """Narrow forwards: plain `F.linear` vs weight-major `NarrowLinear` layers (without and with the row padding the
-probe picks), on one model, in one run.
+probe picks), on one model, in one run; a model whose linears are packed (row-exact bf16) is timed as loaded.
 
 1. Cost of one forward by width (new tokens over a 200-token cached context, half of them masks when the model
    has a mask token, unless --no-masks), every kind of layers timed back to back at every width.
@@ -38,7 +38,9 @@ def layer_kinds(padded_rows: tuple[int, ...]) -> Kinds:
     return {"plain": (nn.Linear, ()), "narrow": (NarrowLinear, ()), "padded": (NarrowLinear, padded_rows)}
 
 
-def set_linears(layers: list[nn.Linear], kind: tuple[type, tuple[int, ...]]) -> None:
+def set_linears(layers: list[nn.Linear], kind: tuple[type, tuple[int, ...]] | None) -> None:
+    if kind is None:  # the layers as loaded (packed bf16 linears: nothing to compare them with)
+        return
     cls, padded_rows = kind
     for layer in layers:
         layer.__class__ = cls
@@ -96,7 +98,8 @@ def decoding(model, layers, kinds: Kinds, prompts: list[list[int]], configs: dic
             total["speed_vs_ar_same_layers"] = total["tokens_per_second"] / by_mode["autoregressive"]["tokens_per_second"]
             total["identical_to_ar"] = sum(outputs[kind, mode, i] == outputs[kind, "autoregressive", i]
                                            for i in range(len(prompts)))
-    results["same_tokens_every_kind"] = all(outputs["plain", m, i] == outputs[kind, m, i]
+    first = next(iter(kinds))
+    results["same_tokens_every_kind"] = all(outputs[first, m, i] == outputs[kind, m, i]
                                             for kind in kinds for m in configs for i in range(len(prompts)))
     return results
 
@@ -111,22 +114,26 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--no-masks", action="store_true", help="forward costs without masks among the new tokens")
     parser.add_argument("--dtype", default=None)
-    parser.add_argument("--attn", default=None, help="attention implementation: sdpa or eager (default: what load picks)")
+    parser.add_argument("--attn", default=None,
+                        help="attention implementation: sdpa, eager or refusion_exact (default: what load picks)")
     args = parser.parse_args()
 
     model, tokenizer = load(args.model, dtype=args.dtype, attn_implementation=args.attn)
     layers = [m for m in model.modules() if type(m) in (nn.Linear, NarrowLinear)]
-    padded_rows = row_padding(weight_major_row_times(layers))
-    print(f"row padding the probe picks (index: rows): {padded_rows}")
-    kinds = layer_kinds(padded_rows)
+    if layers:
+        padded_rows = row_padding(weight_major_row_times(layers))
+        print(f"row padding the probe picks (index: rows): {padded_rows}")
+        kinds = layer_kinds(padded_rows)
+    else:
+        padded_rows, kinds = (), {"loaded": None}
     widths = [int(w) for w in args.widths.split(",")]
     cost = forward_cost(model, layers, kinds, widths, args.repeats, masks=not args.no_masks)
     print("width " + " ".join(f"{w:>6}" for w in widths))
     for kind, by_width in cost.items():
         print(f"{kind:6s}" + " ".join(f"{by_width[w]:6.0f}" for w in widths) + "  ms")
 
-    report = {"benchmark": "narrow_forwards", "model": args.model or "refusion-smol", "dtype": str(model.dtype), "attn": model.config._attn_implementation,
-              "layers": len(layers), "padded_rows": padded_rows, "masks": not args.no_masks, "threads": torch.get_num_threads(),
+    report = {"benchmark": "narrow_forwards", "model": args.model or "refusion-smol", "dtype": str(model.dtype),
+              "attn": model.config._attn_implementation, "layers": len(layers), "padded_rows": padded_rows, "masks": not args.no_masks, "threads": torch.get_num_threads(),
               "torch": torch.__version__, "machine": platform.machine(), "forward_ms": cost}
     if args.prompts == 0:
         print(json.dumps(report | {"time": time.strftime("%Y-%m-%dT%H:%M:%S")}))

@@ -72,7 +72,8 @@ class DecodeConfig:
     predictions: output identical to "autoregressive") or "autoregressive" (one token per forward, the baseline)."""
 
     draft_length: int = 4
-    """speculative: drafted tokens verified per forward (the masks appended to each forward draft this many)."""
+    """speculative: drafted tokens verified per forward (the masks appended to each forward draft this many; 0: no
+    masks, the drafts come from prompt lookup and the draft table only)."""
 
     draft_threshold: float = 0.0
     """speculative: a draft is verified only when the distribution it is drawn from peaks at this or higher (the
@@ -121,8 +122,8 @@ class DecodeConfig:
                  "temperature", self.temperature, "must be >= 0")
         _require(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "must be an integer or None")
         _require(self.strategy in STRATEGIES, "strategy", self.strategy, f"must be one of {', '.join(STRATEGIES)}")
-        _require(isinstance(self.draft_length, int) and self.draft_length >= 1,
-                 "draft_length", self.draft_length, "must be an integer >= 1")
+        _require(isinstance(self.draft_length, int) and self.draft_length >= 0,
+                 "draft_length", self.draft_length, "must be an integer >= 0")
         for name in ("lookup_length", "table_length"):
             _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 0,
                      name, getattr(self, name), "must be an integer >= 0")
@@ -141,6 +142,12 @@ class DecodeConfig:
         """gen_length of the spec: max_new_tokens rounded up to a whole number of slots."""
         k = self.slot_size
         return -(-self.max_new_tokens // k) * k
+
+    @property
+    def uses_masks(self) -> bool:
+        """Whether decoding feeds the model mask tokens: plan and infill, and the exact mode with draft_length > 0
+        (with 0 it drafts from the text and the draft table only, and runs on any model)."""
+        return self.strategy == "refusion" or (self.strategy == "speculative" and self.draft_length > 0)
 
     def replace(self, **changes) -> DecodeConfig:
         return dataclasses.replace(self, **changes)
@@ -166,12 +173,13 @@ PRESETS: dict[str, dict] = {
     "gpqa": dict(slot_size=8, slot_threshold=0.8, token_threshold=0.2, block_size=16),
     "humaneval": dict(slot_size=32, slot_threshold=0.9, token_threshold=0.4, block_size=128),
     "mbpp": dict(slot_size=32, slot_threshold=0.9, token_threshold=0.3, block_size=128),
-    # the exact mode with one draft per forward: the fastest over three runs of d 1-3, with and without pre-drafts,
-    # on the CPU where refusion-smol v2 was measured (docs/BENCHMARKS.md, "Narrow forwards"), plus copied drafts of
-    # up to 4 tokens (docs/BENCHMARKS.md, "Prompt lookup in the exact mode") and, when there is nothing to copy, up
-    # to 8 drafts from the model's draft table (docs/BENCHMARKS.md, "The draft table"); for plan and infill,
-    # the fastest of a k x tau_slot sweep of v2 (docs/BENCHMARKS.md, "Plan-and-infill settings of refusion-smol v2")
-    "refusion-smol": dict(strategy="speculative", draft_length=1, predraft=False, lookup_length=4, table_length=8,
+    # the exact mode drafting from the text (prompt lookup, up to 8 copied tokens) and, when there is nothing to
+    # copy, from the model's draft table (up to 16 tokens), without masks: in row-exact bf16 on a 2-core AMX CPU a
+    # forward with masks costs 1.3x one without (the adapter at the mask rows) and the masks' drafts added 0.04
+    # tokens per forward, so they cost more than they gave (docs/BENCHMARKS.md, "Row-exact bf16"); for plan and
+    # infill, the fastest of a k x tau_slot sweep of v2 (docs/BENCHMARKS.md, "Plan-and-infill settings of
+    # refusion-smol v2")
+    "refusion-smol": dict(strategy="speculative", draft_length=0, predraft=False, lookup_length=8, table_length=16,
                           slot_size=2, slot_threshold=0.5, token_threshold=0.3, block_size=16),
 }
 

@@ -12,27 +12,43 @@ from refusion.model.tiny import tiny_model, tiny_tokenizer
 
 
 def test_the_table_keeps_each_frequent_run_s_most_frequent_follower():
-    table = DraftTable.from_sequences([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 5], [7, 8, 9, 4]], order=3, min_count=2)
+    table = DraftTable.from_sequences([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 5], [7, 8, 9, 4]], orders=(3,),
+                                      min_count=2)
     assert table.followers == {(1, 2, 3): (4, 2 / 3)}  # (2, 3, 4) etc. were seen once: left out
-    assert DraftTable.from_sequences([[7, 8, 9, 4]], min_count=1).followers == {(7, 8, 9): (4, 1.0)}
+    assert DraftTable.from_sequences([[7, 8, 9, 4]], orders=(3,), min_count=1).followers == {(7, 8, 9): (4, 1.0)}
+    # several orders: runs of each length, counted separately
+    table = DraftTable.from_sequences([[1, 2, 3], [1, 2, 3], [5, 2, 4]], orders=(2, 1), min_count=2)
+    assert table.orders == (2, 1)
+    assert table.followers == {(1, 2): (3, 1.0), (1,): (2, 1.0), (2,): (3, 2 / 3)}
     with pytest.raises(ValueError, match="min_confidence"):
         DraftTable.from_sequences([], min_confidence=0)
+    with pytest.raises(ValueError, match="orders"):
+        DraftTable.from_sequences([], orders=(3, 0))
 
 
 def test_drafts_walk_the_table_while_confident():
-    table = DraftTable(2, 0.3, {(1, 2): (3, 0.9), (2, 3): (4, 0.5), (3, 4): (5, 0.5), (4, 5): (6, 1.0)})
+    table = DraftTable((2,), 0.3, {(1, 2): (3, 0.9), (2, 3): (4, 0.5), (3, 4): (5, 0.5), (4, 5): (6, 1.0)})
     assert table.drafts([9, 1, 2], 8) == [3, 4]  # 0.9 * 0.5 = 0.45 >= 0.3; * 0.5 = 0.225 < 0.3: stop
     assert table.drafts([9, 1, 2], 1) == [3]  # at most `length`
     assert table.drafts([3, 4], 8) == [5, 6]  # 0.5, then 0.5 * 1.0
     assert table.drafts([2, 1], 8) == [] and table.drafts([2], 8) == []  # unknown run; too short a text
 
 
+def test_each_step_reads_the_longest_run_the_table_knows():
+    table = DraftTable((3, 1), 0.1, {(1, 2, 3): (4, 0.5), (3,): (7, 0.9), (4,): (5, 0.8), (5,): (6, 0.6),
+                                     (3, 4, 5): (9, 0.5)})
+    # after [1, 2, 3] the run of 3 wins over (3,); after [2, 3, 4] only (4,) is known; after [3, 4, 5] the run of 3
+    assert table.drafts([1, 2, 3], 8) == [4, 5, 9]  # confidence 0.5, 0.5 * 0.8 = 0.4, 0.4 * 0.5 = 0.2; (9,): none
+    assert table.drafts([8, 3], 2) == [7]  # (8, 3) is no run of 3 tokens: the run of 1 drafts
+    assert table.drafts([3], 1) == [7]  # a text shorter than the longest order
+
+
 def test_a_table_saves_loads_and_a_damaged_file_is_a_one_line_error(tmp_path):
-    table = DraftTable.from_sequences([[1, 2, 3, 4, 1, 2, 3, 4], [5, 1, 2, 3, 6]], order=3, min_count=2,
+    table = DraftTable.from_sequences([[1, 2, 3, 4, 1, 2, 3, 4], [5, 1, 2, 3, 6]], orders=(3, 2), min_count=2,
                                       min_confidence=0.25)
     table.save(tmp_path / TABLE_FILE)
     loaded = DraftTable.load(tmp_path / TABLE_FILE)
-    assert (loaded.order, loaded.min_confidence) == (3, 0.25)
+    assert (loaded.orders, loaded.min_confidence) == ((3, 2), 0.25)
     assert loaded.followers.keys() == table.followers.keys() and table.followers
     for run, (token, frequency) in table.followers.items():  # frequencies are stored in fp32
         assert loaded.followers[run] == (token, pytest.approx(frequency, rel=1e-6))
@@ -48,7 +64,8 @@ def test_table_drafts_never_change_the_output_and_are_accepted_when_they_are_the
     cfg = refusion.DecodeConfig(max_new_tokens=24, strategy="speculative", draft_length=1, eos_token_id=2)
     ar = refusion.generate(model, prompts, cfg.replace(strategy="autoregressive")).sequences
     # the table of the model's own answers: its drafts are what AR decoding writes wherever the runs are unique
-    attach = DraftTable.from_sequences([p[-3:] + s for p, s in zip(prompts, ar)], min_count=1, min_confidence=0.5)
+    attach = DraftTable.from_sequences([p[-3:] + s for p, s in zip(prompts, ar)], orders=(3,), min_count=1,
+                                       min_confidence=0.5)
     model.refusion_draft_table = attach
     without = refusion.generate(model, prompts, cfg)
     with_table = refusion.generate(model, prompts, cfg.replace(table_length=4), trace=True)
@@ -84,5 +101,7 @@ def test_draft_table_command_builds_the_table_that_load_attaches(tmp_path):
     ids = tokenizer("hello world hello world", add_special_tokens=False)["input_ids"]
     assert table is not None and table.drafts(ids[:3], 1) == ids[3:4]
     assert main(["draft-table", str(tmp_path / "answers.jsonl"), "--output", str(tmp_path / "nowhere")]) == 2
+    assert main(["draft-table", str(tmp_path / "answers.jsonl"), "--output", str(tmp_path / "m"),
+                 "--orders", "3,x"]) == 2
     attach_draft_table(model, tmp_path)  # no table there: nothing attached
     assert draft_table_of(model) is None

@@ -231,9 +231,16 @@ def test_every_forward_is_accounted_for():
 
 
 def test_speculative_needs_a_mask_token_and_validates_draft_length():
-    with pytest.raises(ValueError, match="draft_length=0"):
-        refusion.DecodeConfig(strategy="speculative", draft_length=0)
+    with pytest.raises(ValueError, match="draft_length=-1"):
+        refusion.DecodeConfig(strategy="speculative", draft_length=-1)
     model = tiny_model("qwen3")
     model.config.mask_token_id = None
     with pytest.raises(ValueError, match="mask_token_id"):
         refusion.generate(model, [[1, 2]], strategy="speculative")
+    # draft_length 0: no masks, the drafts come from the text (prompt lookup): any model, AR's output
+    prompts = [[1, 5, 7, 9, 1, 5, 7], [3, 4, 3, 4, 3]]
+    ar = refusion.generate(model, prompts, max_new_tokens=16, strategy="autoregressive", eos_token_id=2)
+    cfg = refusion.DecodeConfig(max_new_tokens=16, strategy="speculative", draft_length=0, lookup_length=4,
+                                eos_token_id=2)
+    out = refusion.generate(model, prompts, cfg)
+    assert out.sequences == ar.sequences and out.stats.batch.forwards <= ar.stats.batch.forwards

@@ -3,10 +3,12 @@
 A small model's answers repeat themselves across prompts ("The final answer is", "```python\\ndef", "Let's
 break it down"), and prompt lookup cannot see what is not in the prompt or the response yet. The table is
 n-gram statistics of the model's own greedy answers (the distilled set it was trained on): for each run of
-`order` tokens seen at least `min_count` times, the token that most often followed it and how often it did.
-Drafting walks the table greedily: the token after the text's last `order` tokens, then the token after the
-new last `order` tokens, and so on, while the product of the followers' frequencies stays at or above
-`min_confidence`.
+n tokens (n in `orders`, 4, 3 and 2 by default) seen at least `min_count` times, the token that most often
+followed it and how often it did. Drafting walks the table greedily, each step from the longest run of the
+text's last tokens that the table knows (a run of 4 says more than a run of 2 when there is one): the token
+after them, then the token after the new last tokens, and so on, while the product of the followers'
+frequencies stays at or above `min_confidence`. On held-out GSM8K answers of refusion-smol, runs of 4, 3 and 2
+drafted 2.39 tokens per forward where runs of 3 alone drafted 2.27 (docs/BENCHMARKS.md, "The draft table").
 
 Drafts from the table are verified like copied ones (`speculate.copied_drafts`): AR decoding still decides
 every token, so the table never changes the output, only how many tokens a forward commits.
@@ -32,58 +34,70 @@ _ATTRIBUTE = "refusion_draft_table"
 
 @dataclass(frozen=True)
 class DraftTable:
-    """Most frequent follower of each frequent run of `order` tokens in a model's own answers."""
+    """Most frequent follower of each frequent run of tokens in a model's own answers."""
 
-    order: int
-    """How many of the text's last tokens select the next draft."""
+    orders: tuple[int, ...]
+    """The lengths of the runs in the table, longest first: drafting reads the longest run it finds."""
 
     min_confidence: float
     """Drafting stops before the product of the followers' frequencies falls below this."""
 
     followers: dict[tuple[int, ...], tuple[int, float]] = field(repr=False)
-    """{run of `order` tokens: (the token that most often followed it, how often it did: count / runs)}."""
+    """{run of tokens: (the token that most often followed it, how often it did: count / runs)}."""
 
     @staticmethod
-    def from_sequences(sequences: Iterable[list[int]], order: int = 3, min_count: int = 2,
-                       min_confidence: float = 0.3) -> DraftTable:
-        """Count, in each token sequence, which token follows each run of `order` tokens; keep the runs seen
-        at least `min_count` times."""
-        if order < 1 or min_count < 1 or not 0 < min_confidence <= 1:
-            raise ValueError(f"draft table: order={order} and min_count={min_count} must be >= 1 and "
+    def from_sequences(sequences: Iterable[list[int]], orders: Iterable[int] = (4, 3, 2), min_count: int = 2,
+                       min_confidence: float = 0.1) -> DraftTable:
+        """Count, in each token sequence, which token follows each run of n tokens (n in `orders`); keep the
+        runs seen at least `min_count` times."""
+        orders = tuple(sorted(set(orders), reverse=True))
+        if not orders or orders[-1] < 1 or min_count < 1 or not 0 < min_confidence <= 1:
+            raise ValueError(f"draft table: orders={orders} and min_count={min_count} must be >= 1 and "
                              f"min_confidence={min_confidence} in (0, 1]")
         counts: dict[tuple[int, ...], collections.Counter] = collections.defaultdict(collections.Counter)
         for ids in sequences:
-            for i in range(len(ids) - order):
-                counts[tuple(ids[i: i + order])][ids[i + order]] += 1
+            for order in orders:
+                for i in range(len(ids) - order):
+                    counts[tuple(ids[i: i + order])][ids[i + order]] += 1
         followers = {}
         for run, after in counts.items():
             total = sum(after.values())
             if total >= min_count:
                 token, n = after.most_common(1)[0]
                 followers[run] = (token, n / total)
-        return DraftTable(order, min_confidence, followers)
+        return DraftTable(orders, min_confidence, followers)
+
+    def follower(self, text: list[int]) -> tuple[int, float] | None:
+        """(token, frequency) after the longest run of the text's last tokens in the table; None when none is."""
+        for order in self.orders:
+            if len(text) >= order and (found := self.followers.get(tuple(text[-order:]))) is not None:
+                return found
+        return None
 
     def drafts(self, text: list[int], length: int) -> list[int]:
         """Up to `length` tokens that the model's answers usually write after `text`; [] when its last tokens
         are not in the table."""
-        context, out, confidence = list(text[-self.order:]), [], 1.0
-        while len(out) < length and len(context) == self.order:
-            follower = self.followers.get(tuple(context))
-            if follower is None or confidence * follower[1] < self.min_confidence:
+        context, out, confidence = list(text[-self.orders[0]:]), [], 1.0
+        while len(out) < length:
+            found = self.follower(context)
+            if found is None or confidence * found[1] < self.min_confidence:
                 break
-            confidence *= follower[1]
-            out.append(follower[0])
-            context = context[1:] + [follower[0]]
+            confidence *= found[1]
+            out.append(found[0])
+            context = context[1:] + [found[0]] if len(context) == self.orders[0] else context + [found[0]]
         return out
 
     def save(self, path: str | Path) -> None:
         from safetensors.torch import save_file
 
-        runs = torch.tensor(list(self.followers), dtype=torch.int32).reshape(-1, self.order)
-        values = list(self.followers.values())
-        save_file({"runs": runs, "followers": torch.tensor([v[0] for v in values], dtype=torch.int32),
-                   "frequencies": torch.tensor([v[1] for v in values], dtype=torch.float32)},
-                  str(path), metadata={"order": str(self.order), "min_confidence": str(self.min_confidence)})
+        tensors = {}
+        for order in self.orders:
+            runs = [run for run in self.followers if len(run) == order]
+            tensors[f"runs_{order}"] = torch.tensor(runs, dtype=torch.int32).reshape(-1, order)
+            tensors[f"followers_{order}"] = torch.tensor([self.followers[r][0] for r in runs], dtype=torch.int32)
+            tensors[f"frequencies_{order}"] = torch.tensor([self.followers[r][1] for r in runs], dtype=torch.float32)
+        save_file(tensors, str(path), metadata={"orders": ",".join(map(str, self.orders)),
+                                                "min_confidence": str(self.min_confidence)})
         os.chmod(path, 0o644)  # may ship as package data: readable by every user
 
     @staticmethod
@@ -93,14 +107,21 @@ class DraftTable:
         try:
             with safe_open(str(path), "pt") as f:
                 meta = f.metadata() or {}
-                runs, followers, frequencies = (f.get_tensor(k) for k in ("runs", "followers", "frequencies"))
-            order, min_confidence = int(meta["order"]), float(meta["min_confidence"])
+                if "orders" not in meta:
+                    raise ValueError("no orders in its metadata (tables of one order, from before 2026-11-25, "
+                                     "are rebuilt with `refusion draft-table`)")
+                orders = tuple(int(o) for o in meta["orders"].split(","))
+                min_confidence = float(meta["min_confidence"])
+                parts = [[f.get_tensor(f"{k}_{order}") for k in ("runs", "followers", "frequencies")]
+                         for order in orders]
         except Exception as e:  # a damaged or foreign file: say which, not where safetensors tripped
             raise ValueError(f"{path} is not a draft table ({type(e).__name__}: {e})") from None
-        if runs.shape != (followers.numel(), order) or frequencies.shape != followers.shape:
-            raise ValueError(f"{path} is not a draft table (its tensors do not line up)")
-        table = dict(zip(map(tuple, runs.tolist()), zip(followers.tolist(), frequencies.tolist())))
-        return DraftTable(order, min_confidence, table)
+        table = {}
+        for order, (runs, followers, frequencies) in zip(orders, parts):
+            if runs.shape != (followers.numel(), order) or frequencies.shape != followers.shape:
+                raise ValueError(f"{path} is not a draft table (its tensors do not line up)")
+            table.update(zip(map(tuple, runs.tolist()), zip(followers.tolist(), frequencies.tolist())))
+        return DraftTable(orders, min_confidence, table)
 
 
 def attach_draft_table(model, directory: str | Path) -> None:
@@ -125,9 +146,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("data", nargs="+", help="training record files (the model's own answers)")
     p.add_argument("--model", default=None, help="the model whose tokenizer reads the answers (default: embedded)")
     p.add_argument("--output", required=True, metavar="DIR", help="the model or adapter directory to save it in")
-    p.add_argument("--order", type=int, default=3)
+    p.add_argument("--orders", default="4,3,2", help="lengths of the token runs the table keys on")
     p.add_argument("--min-count", type=int, default=2)
-    p.add_argument("--min-confidence", type=float, default=0.3)
+    p.add_argument("--min-confidence", type=float, default=0.1)
     p.set_defaults(func=_run)
 
 
@@ -138,12 +159,16 @@ def _run(args: argparse.Namespace) -> int:
     output = Path(args.output)
     if not output.is_dir():
         raise ValueError(f"--output {output} is not a directory")
+    try:
+        orders = tuple(int(o) for o in args.orders.split(","))
+    except ValueError:
+        raise ValueError(f"--orders {args.orders!r} is not a comma-separated list of integers") from None
     _, tokenizer = load(args.model)
     data = load_training_data(tuple(args.data), tokenizer, eos_id=response_eos_id(tokenizer), max_length=2**31)
     # each answer with the end of its prompt (the chat template's assistant header): the table drafts openings too
-    answers = [p[-args.order:].tolist() + r.tolist() for p, r in zip(data.prompts, data.responses)]
-    table = DraftTable.from_sequences(answers, args.order, args.min_count, args.min_confidence)
+    answers = [p[-max(orders):].tolist() + r.tolist() for p, r in zip(data.prompts, data.responses)]
+    table = DraftTable.from_sequences(answers, orders, args.min_count, args.min_confidence)
     table.save(output / TABLE_FILE)
-    print(f"draft table: {len(table.followers)} runs of {args.order} tokens from {len(answers)} answers "
-          f"-> {output / TABLE_FILE}")
+    print(f"draft table: {len(table.followers)} runs of {', '.join(map(str, table.orders))} tokens from "
+          f"{len(answers)} answers -> {output / TABLE_FILE}")
     return 0

@@ -379,7 +379,8 @@ def speculative_program(seq: Sequence) -> Program:
     def draft_masks(after: int) -> torch.Tensor:
         """Positions of the masks that draft the tokens after position `after` + 1 (the first mask stands
         for the token the AR logits give at `after` + 1 and drafts nothing)."""
-        return torch.arange(after + 1, max(after + 1, min(after + 2 + draft_length, end)), device=device)
+        stop = max(after + 1, min(after + 2 + draft_length, end)) if draft_length else after + 1  # d 0: no masks
+        return torch.arange(after + 1, stop, device=device)
 
     def drafts_from(mask_logits: torch.Tensor) -> Drafts:
         drafts = draft_tokens_from_masks(mask_logits, cfg.temperature, seq.generator)

@@ -45,10 +45,11 @@ class SpecialTokens:
         a clear error when `cfg.strategy` needs a mask token and there is none."""
         mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else self.mask_token_id
         eos_ids = self.eos_token_ids if cfg.eos_token_id is None else _as_ids(cfg.eos_token_id)
-        if mask_id is None and cfg.strategy != "autoregressive":
+        if mask_id is None and cfg.uses_masks:
             raise ValueError(f"mask_token_id is unknown: the model has no {MASK_TOKEN} token, which strategy "
                              f"{cfg.strategy!r} needs. Pass DecodeConfig(mask_token_id=...), use "
-                             "strategy='autoregressive', or turn the model into a ReFusion model with `refusion train`")
+                             "strategy='autoregressive' (or 'speculative' with draft_length=0), or turn the model "
+                             "into a ReFusion model with `refusion train`")
         return SpecialTokens(mask_id, eos_ids, self.pad_token_id)
 
 
