@@ -78,7 +78,9 @@ def _show(value) -> str:
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="HF directory, .gguf file, hub id, or 'smollm2' (default: the embedded model)")
-    parser.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: fp32 on the CPU, bf16 on a GPU that has it)")
+    parser.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 on a GPU that has "
+                                                      "it and on an AMX CPU, where rows are computed exactly; "
+                                                      "else fp32 on the CPU)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
 
 
