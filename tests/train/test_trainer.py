@@ -246,6 +246,14 @@ def test_mask_gated_adapter_keeps_the_base_ar_path_and_drafts_with_the_adapter(t
         # a wide forward (past the narrow range, the update goes through index_add) computes the same
         wide = masked.repeat(MAX_ROWS // masked.shape[1] + 1, 1)
         torch.testing.assert_close(gated(wide).logits[-1:, :, keep], gated_logits[..., keep])
+        # bf16 (the update still computed in fp32): clean rows the bf16 base's; a model cast after loading
+        # (its fp32 update buffers cast with it) still runs
+        gated16, _ = refusion.load(run / "adapter", dtype="bfloat16", device="cpu")
+        base16, _ = refusion.load(tiny_dir, dtype="bfloat16", device="cpu")
+        assert torch.equal(gated16(masked).logits[:, :3, keep], base16(masked).logits[:, :3, keep])
+        assert not torch.equal(gated16(masked).logits[:, 3:, keep], base16(masked).logits[:, 3:, keep])
+        cast, _ = refusion.load(run / "adapter", dtype="float32", device="cpu")
+        assert torch.isfinite(cast.to(torch.bfloat16)(masked).logits[..., keep]).all()
     prompts = [[1, 5, 9], [2, 7, 7, 30, 11]]
     ar = refusion.generate(base, prompts, DecodeConfig(strategy="autoregressive", max_new_tokens=24))
     for cfg in (DecodeConfig(strategy="autoregressive", max_new_tokens=24),

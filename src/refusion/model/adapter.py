@@ -114,13 +114,13 @@ class MaskGatedLoRA(nn.Module):
             return out
         flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
         if self.mask_rows.narrow:  # a few rows: fewer ops to update them all, times the 0/1 gate
-            low = torch.mm(flat_x.float(), self.lora_a).mul_(self.mask_rows.dense.reshape(-1, 1))
+            low = torch.mm(flat_x.to(self.lora_a.dtype), self.lora_a).mul_(self.mask_rows.dense.reshape(-1, 1))
             if flat_out.dtype == low.dtype:
                 flat_out.addmm_(low, self.lora_b)
             else:
                 flat_out.add_(torch.mm(low, self.lora_b).to(flat_out.dtype))
         else:
-            low = torch.mm(flat_x.index_select(0, rows).float(), self.lora_a)
+            low = torch.mm(flat_x.index_select(0, rows).to(self.lora_a.dtype), self.lora_a)
             flat_out.index_add_(0, rows, torch.mm(low, self.lora_b).to(flat_out.dtype))
         return out
 
