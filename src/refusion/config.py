@@ -175,7 +175,7 @@ PRESETS: dict[str, dict] = {
     "mbpp": dict(slot_size=32, slot_threshold=0.9, token_threshold=0.3, block_size=128),
     # the exact mode drafting from the text (prompt lookup, up to 8 copied tokens) and, when there is nothing to
     # copy, from the model's draft table (up to 16 tokens), without masks: in row-exact bf16 on a 2-core AMX CPU a
-    # forward with masks costs 1.3x one without (the adapter at the mask rows) and the masks' drafts added 0.04
+    # forward with masks costs 1.3x one without (the adapter at the mask rows) and the masks' drafts added 0.02
     # tokens per forward, so they cost more than they gave (docs/BENCHMARKS.md, "Row-exact bf16"); for plan and
     # infill, the fastest of a k x tau_slot sweep of v2 (docs/BENCHMARKS.md, "Plan-and-infill settings of
     # refusion-smol v2")

@@ -235,10 +235,9 @@ class SlotCache:
             self._grow(max(self.used + width, int(self.capacity * 1.5)))
 
     def _reuse_empty_tail(self) -> None:
-        """Give back the columns after the last entry of any row (the drafts and masks a forward just dropped).
-        A sequence decoded alone then keeps its context hole-free and in position order, in the very columns
-        AR decoding would use: with row-exact products (`refusion.model.row_exact`), its attention reads the same
-        numbers in the same order, and the exact mode stays AR decoding bit for bit."""
+        """Give back the columns after the last entry of any row (the drafts and masks a forward just dropped),
+        instead of leaving them as holes until the next compaction: a sequence decoded alone keeps its context
+        hole-free and in position order, in the columns AR decoding would use."""
         if self.used:
             filled = (self.owner[:, :self.used] != EMPTY).any(0).nonzero()
             self.used = int(filled[-1]) + 1 if filled.numel() else 0

@@ -28,6 +28,7 @@ weights, so only models up to `MAX_PACKED_BYTES` are packed.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -72,8 +73,10 @@ class PackedLinear(nn.Linear):
         return self.packed_weight
 
 
+@functools.cache
 def packing_available() -> bool:
-    """Whether this CPU and torch build multiply packed bf16 weights on AMX tiles."""
+    """Whether this CPU and torch build multiply packed bf16 weights on AMX tiles (a fact of the machine: asked
+    once)."""
     try:
         return bool(torch.backends.mkldnn.is_available() and torch.cpu._is_amx_tile_supported()
                     and torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -86,10 +89,12 @@ def _packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Te
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
+@functools.cache
 @torch.no_grad()
 def exact_rows(in_features: int, out_features: int, max_rows: int = MAX_EXACT_ROWS) -> int:
     """The largest r <= max_rows such that packed bf16 products of 1..r rows give, bit for bit, each row's own
-    one-row product (random weights of this shape, from a generator of its own); 1 when none does."""
+    one-row product (random weights of this shape, from a generator of its own); 1 when none does. Probed once
+    per shape (choosing the dtype and switching the layers ask for the same shapes)."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
     packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
