@@ -6,7 +6,8 @@ infill with and without fused planning. Reported per mode: tokens, forwards, tok
 speed ratio to AR, forwards per phase, how many outputs equal AR decoding's, draft acceptance. Ends with
 one JSON line.
 
-    python benchmarks/decode_modes.py [--model PATH|random] [--prompts 30] [--max-new-tokens 256] [--preset NAME]
+    python benchmarks/decode_modes.py [--model PATH|random] [--task gsm8k] [--prompts 30] [--skip 0]
+                                      [--max-new-tokens 256] [--preset NAME]
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import time
 import torch
 
 from refusion.config import DecodeConfig, preset
-from refusion.data import boxed_prompt, default_data_dir, read_jsonl
 from refusion.decode.loop import generate
 from refusion.decode.outputs import add_counts
+from refusion.eval.tasks import load_examples
 from refusion.model.loading import encode_prompts, load
 
 
@@ -45,7 +46,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model path or name (default: the embedded model)")
     parser.add_argument("--prompts", type=int, default=30)
-    parser.add_argument("--skip", type=int, default=0, help="start at this GSM8K test problem")
+    parser.add_argument("--task", default="gsm8k", help="the evaluation task whose prompts are decoded "
+                        "(its test split, in `refusion eval`'s prompt format)")
+    parser.add_argument("--skip", type=int, default=0, help="start at this example of the task")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--preset", default=None, help="ReFusion settings (default: the model's own preset)")
     parser.add_argument("--draft-lengths", default="2,4,6")
@@ -62,8 +65,8 @@ def main() -> None:
     args = parser.parse_args()
 
     model, tokenizer = load(args.model, dtype=args.dtype, attn_implementation=args.attn)
-    rows = read_jsonl(default_data_dir() / "gsm8k" / "test.jsonl")[args.skip: args.skip + args.prompts]
-    prompts = encode_prompts(tokenizer, [boxed_prompt(r["question"]) for r in rows])
+    examples = load_examples(args.task, limit=args.skip + args.prompts)[args.skip:]
+    prompts = encode_prompts(tokenizer, [ex.prompt for ex in examples])
     settings = preset(args.preset) if args.preset else preset("refusion-smol") if args.model is None else {}
     base = DecodeConfig(max_new_tokens=args.max_new_tokens, **settings)
     chosen = modes(base, [int(d) for d in args.draft_lengths.split(",")],
@@ -112,7 +115,7 @@ def main() -> None:
         print(f"fused planning: {100 * saved:.1f} % fewer forwards than unfused")
     print(json.dumps({"benchmark": "decode_modes", "model": args.model or "refusion-smol",
                       "dtype": str(next(model.parameters()).dtype), "attn": model.config._attn_implementation,
-                      "prompts": len(prompts), "skip": args.skip,
+                      "task": args.task, "prompts": len(prompts), "skip": args.skip,
                       "max_new_tokens": args.max_new_tokens, "settings": settings, "threads": torch.get_num_threads(),
                       "torch": torch.__version__, "machine": platform.machine(), "results": totals,
                       "time": time.strftime("%Y-%m-%dT%H:%M:%S")}))

@@ -12,7 +12,7 @@ from refusion.decode.infill import (
     shifted_token_probs,
     verify_selected,
 )
-from refusion.decode.plan import draft_tokens, next_token, plan_slots, select_slots
+from refusion.decode.plan import draft_tokens, greedy, next_token, plan_slots, select_slots
 from refusion.decode.speculate import Drafts, accept_drafts
 
 
@@ -60,6 +60,15 @@ def test_plan_slots_groups_drafts_by_slot_and_scores_by_first_token():
 def test_next_token_greedy_is_the_argmax():
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0]])
     assert next_token(logits, 0.0, None).tolist() == [[1], [0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_is_argmax_and_takes_the_first_of_tied_maxima(dtype):
+    logits = torch.randn(5, 3, 1000, generator=torch.Generator().manual_seed(0)).to(dtype)
+    logits[0, 0, [7, 300, 999]] = 50.0  # ties: the first index wins, as with argmax
+    logits[1, 2, [0, 1]] = 50.0
+    assert torch.equal(greedy(logits), logits.argmax(-1))
+    assert greedy(logits)[0, 0] == 7 and greedy(logits)[1, 2] == 0
 
 
 def test_next_token_sampling_is_reproducible_and_follows_the_softmax():

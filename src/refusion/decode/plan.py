@@ -43,12 +43,18 @@ def draft_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gene
     return tokens, confidence
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] -> [...]: the index of the largest logit, the first one on ties (as argmax). Taken with a max
+    reduction: on bf16 CPU logits argmax is 4-5x slower (0.8 ms for 9 rows of a 49k vocabulary, 2 % of a forward)."""
+    return logits.max(-1).indices
+
+
 def next_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
     """[..., V] -> [..., 1]: argmax at temperature 0, else a Gumbel-max sample from softmax(logits / T)."""
     if temperature <= 0:
-        return logits.argmax(-1, keepdim=True)
+        return greedy(logits).unsqueeze(-1)
     noisy = logits.float() / temperature + gumbel_noise(logits.shape, generator, logits.device)
-    return noisy.argmax(-1, keepdim=True)
+    return greedy(noisy).unsqueeze(-1)
 
 
 def select_slots(scores: torch.Tensor, slot_threshold: float) -> torch.Tensor:

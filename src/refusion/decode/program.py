@@ -31,7 +31,7 @@ from refusion.decode.infill import (
     verify_selected,
 )
 from refusion.decode.outputs import RoundTrace, SequenceStats, SlotEvent
-from refusion.decode.plan import next_token, plan_slots
+from refusion.decode.plan import greedy, next_token, plan_slots
 from refusion.decode.speculate import (
     Drafts,
     accept_drafts,
@@ -331,7 +331,7 @@ def parallel_completion(seq: Sequence, drafts: torch.Tensor, positions: torch.Te
         logits = yield Forward(masked.flatten(), window_positions.flatten(), window_groups.flatten())
         forwards += 1
         seq.retain(positions[:, :shared].flatten())
-        proposed = logits.argmax(-1).view_as(window)
+        proposed = greedy(logits).view_as(window)
         window = torch.where(window_tags, window, proposed)
         rows[:, shared:] = window
 

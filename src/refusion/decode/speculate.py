@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from refusion.decode.infill import accepted_prefix
+from refusion.decode.plan import greedy
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ def draft_tokens_from_masks(mask_logits: torch.Tensor, temperature: float,
                             generator: torch.Generator | None) -> Drafts:
     """[d, V] logits at masked positions -> drafts: argmax at temperature 0, else samples of softmax(l / T)."""
     if temperature <= 0:
-        return Drafts(mask_logits.argmax(-1), None)
+        return Drafts(greedy(mask_logits), None)
     probs = torch.softmax(mask_logits.float() / temperature, -1)
     return Drafts(sample(probs, generator).squeeze(-1), probs)
 
@@ -92,7 +93,7 @@ def accept_drafts(drafts: Drafts, ar_logits: torch.Tensor, temperature: float,
     """
     n = drafts.tokens.numel()
     if temperature <= 0:
-        predicted = ar_logits.argmax(-1)  # [d + 1]
+        predicted = greedy(ar_logits)  # [d + 1]
         accepted = int(accepted_prefix(drafts.tokens == predicted[:n]).sum())
         return accepted, predicted[accepted: accepted + 1]
     target = torch.softmax(ar_logits.float() / temperature, -1)  # [d + 1, V]
