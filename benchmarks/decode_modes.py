@@ -94,6 +94,7 @@ def main() -> None:
             add_counts(t.setdefault("committed_by", {}), s.committed_by)
             if name == "autoregressive":
                 ar_outputs.append(out.sequences[0])
+                t["identical_to_ar"] += 1
             elif "autoregressive" in chosen:
                 t["identical_to_ar"] += out.sequences[0] == ar_outputs[i]
         print(f"prompt {i + 1}/{len(prompts)}", flush=True)

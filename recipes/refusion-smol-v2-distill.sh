@@ -9,7 +9,9 @@
 #   LIMIT=N bash recipes/refusion-smol-v2-distill.sh ...       only the first N prompts of the mix (a trial run:
 #                                                              the set is then packed into OUTPUT_DIR, not recipes/)
 #   FROM=M LIMIT=N PACKED=FILE bash ...                        pack the answers to prompts M+1..N into FILE (how the
-#                                                              second set, prompts 561-N, was packed)
+#                                                              second and third sets were packed)
+# Answers are decoded in fp32 (DTYPE=... to change), as every committed set was: where bf16 is the default (AMX
+# CPUs) its greedy answers differ from fp32's in most long answers, and batches of 32 run 2x slower there.
 # Prompts decode 32 at a time, new ones joining as others finish (BATCH=N to change): ~4-5 s per prompt on a
 # 2-core AVX2 CPU in fp32, so the whole mix (16835 prompts) is ~20 h there (docs/TRAINING.md, "Distilling from
 # the base"). Where there is a CUDA GPU the same command uses it; LIMIT=N makes a prefix, which is still a mix.
@@ -24,7 +26,7 @@ mkdir -p "$OUT" "$(dirname "$PACKED")"
 
 # 1. the base model's greedy answers, one JSON line per prompt, in the mix's order (resumable)
 refusion generate --model smollm2 --strategy autoregressive --input distill-mix ${LIMIT:+--limit "$LIMIT"} \
-  --max-new-tokens 384 --batch-size ${BATCH:-32} --output "$OUT/answers.jsonl"
+  --max-new-tokens 384 --batch-size ${BATCH:-32} --dtype ${DTYPE:-float32} --output "$OUT/answers.jsonl"
 
 # 2. keep the answers that ended with EOS (those cut at the length limit teach no ending), as training records
 #    {"query", "response", "origin"}, gzip-compressed with a fixed timestamp (same answers, same bytes)

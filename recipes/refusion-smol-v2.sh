@@ -3,19 +3,22 @@
 # Run from the repository root inside the README's venv; every stage resumes or is skipped when its output
 # exists, so an interrupted run is continued by running the script again.
 #   bash recipes/refusion-smol-v2.sh [OUTPUT_DIR]        (default runs/refusion-smol-v2)
-# 1. the distilled sets: the base's greedy answers (recipes/refusion-smol-v2-distill.sh). Both sets the shipped
-#    adapter was trained on are committed (recipes/data/refusion-smol-v2-distill.jsonl.gz: prompts 1-560 of the
-#    mix; refusion-smol-v2-distill-2.jsonl.gz: prompts 561-DISTILL2_LIMIT), so this stage only runs when one is
-#    missing; DISTILL_LIMIT=N (default 560) and DISTILL2_LIMIT=N (default 1500) are the prefixes they cover.
+# 1. the distilled sets: the base's greedy answers (recipes/refusion-smol-v2-distill.sh). The three sets are
+#    committed (recipes/data/refusion-smol-v2-distill.jsonl.gz: prompts 1-560 of the mix;
+#    refusion-smol-v2-distill-2.jsonl.gz: prompts 561-DISTILL2_LIMIT; refusion-smol-v2-distill-3.jsonl.gz: prompts
+#    DISTILL2_LIMIT+1-DISTILL3_LIMIT), so this stage only runs when one is missing; DISTILL_LIMIT=N (default 560),
+#    DISTILL2_LIMIT=N (default 1481) and DISTILL3_LIMIT=N (default @LIMIT3@) are the prefixes they cover. The adapter
+#    is trained on the first two; the draft table counts all three.
 # 2. a mask-gated LoRA adapter trained on the first set (src/refusion/recipes/refusion-smol-v2.yaml)
 #    ~70 min on 2 AVX2 cores in fp32, ~32 min on 2 AMX cores in bf16
 # 3. that adapter trained on the second set (src/refusion/recipes/refusion-smol-v2-continue.yaml)
 # 4. packaging: the adapter in bf16 where `refusion.load()` finds it, with its draft table (n-gram statistics of
-#    both distilled sets: drafts for the exact mode, `refusion draft-table`).
+#    the three distilled sets: drafts for the exact mode, `refusion draft-table`).
 set -euo pipefail
 OUT=${1:-runs/refusion-smol-v2}
 DATA=recipes/data/refusion-smol-v2-distill.jsonl.gz
 DATA2=recipes/data/refusion-smol-v2-distill-2.jsonl.gz
+DATA3=recipes/data/refusion-smol-v2-distill-3.jsonl.gz
 mkdir -p "$OUT"
 
 if [ ! -f "$DATA" ]; then
@@ -23,7 +26,11 @@ if [ ! -f "$DATA" ]; then
   cp "$OUT/distill/refusion-smol-v2-distill.jsonl.gz" "$DATA"
 fi
 if [ ! -f "$DATA2" ]; then
-  FROM=560 LIMIT=${DISTILL2_LIMIT:-1500} PACKED="$DATA2" bash recipes/refusion-smol-v2-distill.sh "$OUT/distill"
+  FROM=560 LIMIT=${DISTILL2_LIMIT:-1481} PACKED="$DATA2" bash recipes/refusion-smol-v2-distill.sh "$OUT/distill"
+fi
+if [ ! -f "$DATA3" ]; then
+  FROM=${DISTILL2_LIMIT:-1481} LIMIT=${DISTILL3_LIMIT:-@LIMIT3@} PACKED="$DATA3" \
+    bash recipes/refusion-smol-v2-distill.sh "$OUT/distill"
 fi
 
 train() {  # train STAGE_DIR ARGS...: resumes an interrupted run, skips a finished one
@@ -37,4 +44,4 @@ train "$OUT/continue" --config refusion-smol-v2-continue --lora-init "$OUT/train
 
 ADAPTER=src/refusion/assets/refusion-smol/adapter
 refusion export-adapter "$OUT/continue/adapter" "$ADAPTER" --overwrite
-refusion draft-table "$DATA" "$DATA2" --model smollm2 --output "$ADAPTER"
+refusion draft-table "$DATA" "$DATA2" "$DATA3" --model smollm2 --output "$ADAPTER"

@@ -1,0 +1,101 @@
+"""The exact mode's copied drafts (prompt lookup, then the draft table), replayed offline on a model's own answers.
+
+Greedy exact decoding commits, every forward, the drafts that equal the AR answer's next tokens plus one token, so
+on a known AR answer its rounds can be replayed without the model: what the drafts would have been and how many
+of them AR decoding would have accepted. This measures a drafting policy in seconds instead of hours, on answers
+the table was not built from: the answers are split into folds, and each fold is replayed with a table counted on
+the other folds (cross-validation). Reported per setting: tokens per forward, mean forward width, and the speed
+ratio to AR under a cost model (a forward of w tokens costs 1 + ROW_COST * (w - 1) one-token forwards; measure
+ROW_COST with benchmarks/narrow_forwards.py). Ends with one JSON line.
+
+    python benchmarks/draft_sources.py recipes/data/*.jsonl.gz [--fractions 0.25,0.5,1] [--lookup-lengths 8]
+                                       [--table-lengths 16] [--folds 5] [--max-new-tokens 128] [--row-cost 0.028]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+
+from refusion.decode.draft_table import DraftTable
+from refusion.decode.speculate import lookup_drafts
+from refusion.model.loading import load
+from refusion.train.data import load_training_data, response_eos_id
+
+ORDERS = (4, 3, 2)
+
+
+def replay(prompt: list[int], answer: list[int], table: DraftTable, lookup_length: int,
+           table_length: int) -> list[tuple[int, int]]:
+    """(drafted, accepted) of every verify forward of greedy exact decoding of `answer` (the prefill decides
+    its first token)."""
+    rounds, position = [], 0  # answer[position]: the token the last forward decided
+    while position < len(answer) - 1:
+        text = prompt + answer[: position + 1]
+        drafts = lookup_drafts(text, lookup_length) if lookup_length else []
+        if not drafts and table_length:
+            drafts = table.drafts(text, table_length)
+        accepted = 0
+        for token, truth in zip(drafts, answer[position + 1:]):
+            if token != truth:
+                break
+            accepted += 1
+        rounds.append((len(drafts), accepted))
+        position += accepted + 1
+    return rounds
+
+
+def cross_validated(prompts, answers, fraction: float, folds: int, lookup_length: int, table_length: int,
+                    max_new_tokens: int, row_cost: float) -> dict:
+    tokens = forwards = cost = widths = 0
+    for fold in range(folds):
+        others = [i for i in range(len(answers)) if i % folds != fold]
+        others = others[: max(1, int(len(others) * fraction))]
+        table = DraftTable.from_sequences([prompts[i][-ORDERS[0]:] + answers[i] for i in others], ORDERS)
+        for i in range(fold, len(answers), folds):
+            answer = answers[i][:max_new_tokens]
+            rounds = replay(prompts[i], answer, table, lookup_length, table_length)
+            tokens += len(answer)
+            forwards += 1 + len(rounds)  # the prefill, then one verify forward per round
+            cost += 1 + sum(1 + row_cost * drafted for drafted, _ in rounds)
+            widths += sum(1 + drafted for drafted, _ in rounds)
+    return {"table_answers": int((len(answers) * (folds - 1) // folds) * fraction), "tokens": tokens,
+            "tokens_per_forward": tokens / forwards, "mean_width": widths / max(1, forwards - folds),
+            "modelled_speed_vs_ar": tokens / cost}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("data", nargs="+", help="training record files of the model's own answers")
+    parser.add_argument("--model", default="smollm2", help="whose tokenizer reads the answers")
+    parser.add_argument("--fractions", default="1", help="fractions of the other folds the table is counted on")
+    parser.add_argument("--lookup-lengths", default="8")
+    parser.add_argument("--table-lengths", default="16")
+    parser.add_argument("--folds", type=int, default=5)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--row-cost", type=float, default=0.028,
+                        help="cost of one more token in a forward, in one-token forwards")
+    args = parser.parse_args()
+
+    _, tokenizer = load(args.model)
+    data = load_training_data(tuple(args.data), tokenizer, eos_id=response_eos_id(tokenizer), max_length=2**31)
+    prompts, answers = [p.tolist() for p in data.prompts], [r.tolist() for r in data.responses]
+    results = []
+    for fraction, lookup, table in itertools.product([float(f) for f in args.fractions.split(",")],
+                                                     [int(n) for n in args.lookup_lengths.split(",")],
+                                                     [int(n) for n in args.table_lengths.split(",")]):
+        r = cross_validated(prompts, answers, fraction, args.folds, lookup, table, args.max_new_tokens, args.row_cost)
+        r |= {"fraction": fraction, "lookup_length": lookup, "table_length": table}
+        results.append(r)
+        print(f"table of {r['table_answers']:5d} answers  lookup {lookup:2d}  table {table:2d}  "
+              f"TPF {r['tokens_per_forward']:.3f}  width {r['mean_width']:.2f}  "
+              f"x{r['modelled_speed_vs_ar']:.3f} AR (modelled)", flush=True)
+    print(json.dumps({"benchmark": "draft_sources", "data": args.data, "answers": len(answers), "folds": args.folds,
+                      "max_new_tokens": args.max_new_tokens, "row_cost": args.row_cost, "orders": ORDERS,
+                      "results": results, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}))
+
+
+if __name__ == "__main__":
+    main()
