@@ -10,8 +10,9 @@
 #                                                              the set is then packed into OUTPUT_DIR, not recipes/)
 #   FROM=M LIMIT=N PACKED=FILE bash ...                        pack the answers to prompts M+1..N into FILE (how the
 #                                                              second and third sets were packed)
-# Answers are decoded in fp32 (DTYPE=... to change), as every committed set was: where bf16 is the default (AMX
-# CPUs) its greedy answers differ from fp32's in most long answers, and batches of 32 run 2x slower there.
+# Answers are decoded in fp32 (DTYPE=bfloat16 to change; the first and third committed sets are fp32, the second
+# bf16): bf16 greedy answers differ from fp32's in most long answers, and on AMX CPUs, where bf16 is
+# `refusion.load()`'s default, batches of 32 decode 2x slower in its row-exact bf16 than in fp32.
 # Prompts decode 32 at a time, new ones joining as others finish (BATCH=N to change): ~4-5 s per prompt on a
 # 2-core AVX2 CPU in fp32, so the whole mix (16835 prompts) is ~20 h there (docs/TRAINING.md, "Distilling from
 # the base"). Where there is a CUDA GPU the same command uses it; LIMIT=N makes a prefix, which is still a mix.

@@ -26,7 +26,9 @@ if [ ! -f "$DATA" ]; then
   cp "$OUT/distill/refusion-smol-v2-distill.jsonl.gz" "$DATA"
 fi
 if [ ! -f "$DATA2" ]; then
-  FROM=560 LIMIT=${DISTILL2_LIMIT:-1481} PACKED="$DATA2" bash recipes/refusion-smol-v2-distill.sh "$OUT/distill"
+  # made in bf16, batch 64, with the sdpa attention of its day: a rerun gives slightly different answers
+  FROM=560 LIMIT=${DISTILL2_LIMIT:-1481} DTYPE=bfloat16 BATCH=64 PACKED="$DATA2" \
+    bash recipes/refusion-smol-v2-distill.sh "$OUT/distill"
 fi
 if [ ! -f "$DATA3" ]; then
   FROM=${DISTILL2_LIMIT:-1481} LIMIT=${DISTILL3_LIMIT:-@LIMIT3@} PACKED="$DATA3" \
