@@ -7,7 +7,7 @@
 #    committed (recipes/data/refusion-smol-v2-distill.jsonl.gz: prompts 1-560 of the mix;
 #    refusion-smol-v2-distill-2.jsonl.gz: prompts 561-DISTILL2_LIMIT; refusion-smol-v2-distill-3.jsonl.gz: prompts
 #    DISTILL2_LIMIT+1-DISTILL3_LIMIT), so this stage only runs when one is missing; DISTILL_LIMIT=N (default 560),
-#    DISTILL2_LIMIT=N (default 1481) and DISTILL3_LIMIT=N (default @LIMIT3@) are the prefixes they cover. The adapter
+#    DISTILL2_LIMIT=N (default 1481) and DISTILL3_LIMIT=N (default 3100) are the prefixes they cover. The adapter
 #    is trained on the first two; the draft table counts all three.
 # 2. a mask-gated LoRA adapter trained on the first set (src/refusion/recipes/refusion-smol-v2.yaml)
 #    ~70 min on 2 AVX2 cores in fp32, ~32 min on 2 AMX cores in bf16
@@ -31,7 +31,7 @@ if [ ! -f "$DATA2" ]; then
     bash recipes/refusion-smol-v2-distill.sh "$OUT/distill"
 fi
 if [ ! -f "$DATA3" ]; then
-  FROM=${DISTILL2_LIMIT:-1481} LIMIT=${DISTILL3_LIMIT:-@LIMIT3@} PACKED="$DATA3" \
+  FROM=${DISTILL2_LIMIT:-1481} LIMIT=${DISTILL3_LIMIT:-3100} PACKED="$DATA3" \
     bash recipes/refusion-smol-v2-distill.sh "$OUT/distill"
 fi
 
