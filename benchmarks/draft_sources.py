@@ -20,7 +20,7 @@ import json
 import time
 
 from refusion.decode.draft_table import DraftTable
-from refusion.decode.speculate import lookup_drafts
+from refusion.decode.speculate import text_drafts
 from refusion.model.loading import load
 from refusion.train.data import load_training_data, response_eos_id
 
@@ -34,9 +34,7 @@ def replay(prompt: list[int], answer: list[int], table: DraftTable, lookup_lengt
     rounds, position = [], 0  # answer[position]: the token the last forward decided
     while position < len(answer) - 1:
         text = prompt + answer[: position + 1]
-        drafts = lookup_drafts(text, lookup_length) if lookup_length else []
-        if not drafts and table_length:
-            drafts = table.drafts(text, table_length)
+        drafts = text_drafts(text, lookup_length, table_length, table)
         accepted = 0
         for token, truth in zip(drafts, answer[position + 1:]):
             if token != truth:

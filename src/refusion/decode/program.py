@@ -38,7 +38,7 @@ from refusion.decode.speculate import (
     confident_drafts,
     copied_drafts,
     draft_tokens_from_masks,
-    lookup_drafts,
+    text_drafts,
 )
 
 
@@ -402,9 +402,7 @@ def speculative_program(seq: Sequence) -> Program:
             return
         phases["verify"] = phases.get("verify", 0) + 1
         so_far = text + token.tolist()
-        copied = lookup_drafts(so_far, cfg.lookup_length) if cfg.lookup_length else []
-        if not copied and cfg.table_length and seq.draft_table is not None:
-            copied = seq.draft_table.drafts(so_far, cfg.table_length)
+        copied = text_drafts(so_far, cfg.lookup_length, cfg.table_length, seq.draft_table)
         if copied:
             drafts = copied_drafts(copied, logits.shape[-1], cfg.temperature, device)
         drafts = drafts[: end - 1 - position]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from refusion.decode.draft_table import DraftTable
 from refusion.decode.infill import accepted_prefix
 from refusion.decode.plan import greedy
 
@@ -63,6 +64,15 @@ def lookup_drafts(text: list[int], length: int) -> list[int]:
             if text[start: start + n] == tail:
                 return text[start + n: start + n + length]
     return []
+
+
+def text_drafts(text: list[int], lookup_length: int, table_length: int, table: DraftTable | None) -> list[int]:
+    """The drafts copied for the text so far: prompt lookup's (up to `lookup_length`) first, else the draft
+    table's (up to `table_length`); [] when neither has any (a length of 0 turns its source off)."""
+    copied = lookup_drafts(text, lookup_length) if lookup_length else []
+    if not copied and table_length and table is not None:
+        copied = table.drafts(text, table_length)
+    return copied
 
 
 def copied_drafts(tokens: list[int], vocab_size: int, temperature: float, device) -> Drafts:
