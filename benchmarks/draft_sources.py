@@ -4,7 +4,7 @@ Greedy exact decoding commits, every forward, the drafts that equal the AR answe
 on a known AR answer its rounds can be replayed without the model: what the drafts would have been and how many
 of them AR decoding would have accepted. This measures a drafting policy in seconds instead of hours, on answers
 the table was not built from: the answers are split into folds, and each fold is replayed with a table counted on
-the other folds (cross-validation). Reported per setting: tokens per forward, mean forward width, and the speed
+the other folds (cross-validation). Reported per setting: tokens per forward, mean width of the verify forwards, and the speed
 ratio to AR under a cost model (a forward of w tokens costs 1 + ROW_COST * (w - 1) one-token forwards; measure
 ROW_COST with benchmarks/narrow_forwards.py). Ends with one JSON line.
 
@@ -19,12 +19,10 @@ import itertools
 import json
 import time
 
-from refusion.decode.draft_table import DraftTable
+from refusion.decode.draft_table import DEFAULT_ORDERS, DraftTable, answers_with_openings
 from refusion.decode.speculate import text_drafts
 from refusion.model.loading import load
 from refusion.train.data import load_training_data, response_eos_id
-
-ORDERS = (4, 3, 2)
 
 
 def replay(prompt: list[int], answer: list[int], table: DraftTable, lookup_length: int,
@@ -47,21 +45,22 @@ def replay(prompt: list[int], answer: list[int], table: DraftTable, lookup_lengt
 
 def cross_validated(prompts, answers, fraction: float, folds: int, lookup_length: int, table_length: int,
                     max_new_tokens: int, row_cost: float) -> dict:
-    tokens = forwards = cost = widths = 0
+    tokens = prefills = verifies = cost = widths = 0
+    sequences = answers_with_openings(prompts, answers)
     for fold in range(folds):
         others = [i for i in range(len(answers)) if i % folds != fold]
         others = others[: max(1, int(len(others) * fraction))]
-        table = DraftTable.from_sequences([prompts[i][-ORDERS[0]:] + answers[i] for i in others], ORDERS)
+        table = DraftTable.from_sequences([sequences[i] for i in others], DEFAULT_ORDERS)
         for i in range(fold, len(answers), folds):
             answer = answers[i][:max_new_tokens]
             rounds = replay(prompts[i], answer, table, lookup_length, table_length)
             tokens += len(answer)
-            forwards += 1 + len(rounds)  # the prefill, then one verify forward per round
+            prefills += 1
+            verifies += len(rounds)
             cost += 1 + sum(1 + row_cost * drafted for drafted, _ in rounds)
             widths += sum(1 + drafted for drafted, _ in rounds)
-    return {"table_answers": int((len(answers) * (folds - 1) // folds) * fraction), "tokens": tokens,
-            "tokens_per_forward": tokens / forwards, "mean_width": widths / max(1, forwards - folds),
-            "modelled_speed_vs_ar": tokens / cost}
+    return {"table_answers": len(others), "tokens": tokens, "tokens_per_forward": tokens / (prefills + verifies),
+            "mean_width": widths / max(1, verifies), "modelled_speed_vs_ar": tokens / cost}
 
 
 def main() -> None:
@@ -91,7 +90,7 @@ def main() -> None:
               f"TPF {r['tokens_per_forward']:.3f}  width {r['mean_width']:.2f}  "
               f"x{r['modelled_speed_vs_ar']:.3f} AR (modelled)", flush=True)
     print(json.dumps({"benchmark": "draft_sources", "data": args.data, "answers": len(answers), "folds": args.folds,
-                      "max_new_tokens": args.max_new_tokens, "row_cost": args.row_cost, "orders": ORDERS,
+                      "max_new_tokens": args.max_new_tokens, "row_cost": args.row_cost, "orders": DEFAULT_ORDERS,
                       "results": results, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}))
 
 

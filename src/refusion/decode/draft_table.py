@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 
 TABLE_FILE = "draft_table.safetensors"
+DEFAULT_ORDERS = (4, 3, 2)
+"""Lengths of the token runs a table keys on unless told otherwise."""
 _ATTRIBUTE = "refusion_draft_table"
 
 
@@ -46,7 +48,7 @@ class DraftTable:
     """{run of tokens: (the token that most often followed it, how often it did: count / runs)}."""
 
     @staticmethod
-    def from_sequences(sequences: Iterable[list[int]], orders: Iterable[int] = (4, 3, 2), min_count: int = 2,
+    def from_sequences(sequences: Iterable[list[int]], orders: Iterable[int] = DEFAULT_ORDERS, min_count: int = 2,
                        min_confidence: float = 0.1) -> DraftTable:
         """Count, in each token sequence, which token follows each run of n tokens (n in `orders`); keep the
         runs seen at least `min_count` times."""
@@ -124,6 +126,13 @@ class DraftTable:
         return DraftTable(orders, min_confidence, table)
 
 
+def answers_with_openings(prompts, responses, orders: Iterable[int] = DEFAULT_ORDERS) -> list[list[int]]:
+    """Each answer (token ids) after the last tokens of its prompt (the chat template's assistant header), as many
+    as the longest run: what a table counts, so that it drafts answers' openings too."""
+    longest = max(orders)
+    return [list(p[-longest:]) + list(r) for p, r in zip(prompts, responses)]
+
+
 def attach_draft_table(model, directory: str | Path) -> None:
     """Give `model` the draft table saved in `directory`, when there is one."""
     path = Path(directory) / TABLE_FILE
@@ -146,7 +155,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("data", nargs="+", help="training record files (the model's own answers)")
     p.add_argument("--model", default=None, help="the model whose tokenizer reads the answers (default: embedded)")
     p.add_argument("--output", required=True, metavar="DIR", help="the model or adapter directory to save it in")
-    p.add_argument("--orders", default="4,3,2", help="lengths of the token runs the table keys on")
+    p.add_argument("--orders", default=",".join(map(str, DEFAULT_ORDERS)), help="lengths of the token runs the table keys on")
     p.add_argument("--min-count", type=int, default=2)
     p.add_argument("--min-confidence", type=float, default=0.1)
     p.set_defaults(func=_run)
@@ -165,8 +174,7 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError(f"--orders {args.orders!r} is not a comma-separated list of integers") from None
     _, tokenizer = load(args.model)
     data = load_training_data(tuple(args.data), tokenizer, eos_id=response_eos_id(tokenizer), max_length=2**31)
-    # each answer with the end of its prompt (the chat template's assistant header): the table drafts openings too
-    answers = [p[-max(orders):].tolist() + r.tolist() for p, r in zip(data.prompts, data.responses)]
+    answers = answers_with_openings([p.tolist() for p in data.prompts], [r.tolist() for r in data.responses], orders)
     table = DraftTable.from_sequences(answers, orders, args.min_count, args.min_confidence)
     table.save(output / TABLE_FILE)
     print(f"draft table: {len(table.followers)} runs of {', '.join(map(str, table.orders))} tokens from "
