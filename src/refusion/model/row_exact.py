@@ -144,13 +144,13 @@ def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     batch, heads, rows, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
-    grouped = query.double().reshape(batch, kv_heads, heads // kv_heads * rows, dim)  # queries that share a key head
-    scores = torch.matmul(grouped, key.double().transpose(2, 3)).view(batch, heads, rows, length) * scaling
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads * rows, dim).double()  # queries sharing a key head
+    scores = torch.matmul(grouped, key.double().transpose(2, 3)).view(batch, heads, rows, length).mul_(scaling)
     if attention_mask is not None:
-        scores = scores + attention_mask[:, :, :, :length]
+        scores.add_(attention_mask[:, :, :, :length])
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     weights = F.dropout(weights, p=dropout, training=module.training)
-    out = torch.matmul(weights.double().view(batch, kv_heads, -1, length), value.double())
+    out = torch.matmul(weights.view(batch, kv_heads, -1, length).double(), value.double())
     out = out.view(batch, heads, rows, dim).to(query.dtype)
     return out.transpose(1, 2).contiguous(), weights
 
