@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 TABLE_FILE = "draft_table.safetensors"
-DEFAULT_ORDERS = (4, 3, 2)
+DEFAULT_ORDERS = (4, 3, 2, 1)
 """Lengths of the token runs a table keys on unless told otherwise."""
 _ATTRIBUTE = "refusion_draft_table"
 
