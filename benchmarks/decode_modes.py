@@ -7,7 +7,7 @@ speed ratio to AR, forwards per phase, how many outputs equal AR decoding's, dra
 one JSON line.
 
     python benchmarks/decode_modes.py [--model PATH|random] [--task gsm8k] [--prompts 30] [--skip 0]
-                                      [--max-new-tokens 256] [--preset NAME]
+                                      [--max-new-tokens 256] [--preset NAME] [--tables FILE ...]
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import time
 import torch
 
 from refusion.config import DecodeConfig, preset
+from refusion.decode.draft_table import DraftTable, draft_table_of, set_draft_table
 from refusion.decode.loop import generate
 from refusion.decode.outputs import add_counts
 from refusion.eval.tasks import load_examples
@@ -59,6 +60,9 @@ def main() -> None:
     parser.add_argument("--table-lengths", default="0", help="speculative modes with each table_length "
                         "(0: the name without an _n suffix)")
     parser.add_argument("--modes", default=None, help="comma-separated subset of the mode names")
+    parser.add_argument("--tables", nargs="+", default=[], metavar="FILE",
+                        help="other draft tables (draft_table.safetensors files): every speculative mode is also run "
+                             "with each of them, named with the suffix _table1, _table2, ...")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--attn", default=None,
                         help="attention implementation: sdpa, eager or refusion_exact (default: what load picks)")
@@ -75,7 +79,14 @@ def main() -> None:
                    [int(n) for n in args.table_lengths.split(",")])
     if args.modes:
         chosen = {name: chosen[name] for name in args.modes.split(",")}
-    for cfg in chosen.values():  # warm-up
+    tables = {name: draft_table_of(model) for name in chosen}  # the draft table each mode decodes with
+    speculative = [name for name, cfg in chosen.items() if cfg.strategy == "speculative"]
+    for i, path in enumerate(args.tables, 1):
+        table = DraftTable.load(path)
+        for name in speculative:
+            chosen[f"{name}_table{i}"], tables[f"{name}_table{i}"] = chosen[name], table
+    for name, cfg in chosen.items():  # warm-up
+        set_draft_table(model, tables[name])
         generate(model, prompts[:1], cfg.replace(max_new_tokens=8))
 
     totals = {name: dict(tokens=0, forwards=0, seconds=0.0, identical_to_ar=0, drafted=0, accepted=0)
@@ -83,6 +94,7 @@ def main() -> None:
     ar_outputs = []
     for i, prompt in enumerate(prompts):
         for name, cfg in chosen.items():
+            set_draft_table(model, tables[name])
             out = generate(model, [prompt], cfg)
             s, t = out.stats.per_sequence[0], totals[name]
             t["tokens"] += s.tokens
@@ -117,7 +129,8 @@ def main() -> None:
     print(json.dumps({"benchmark": "decode_modes", "model": args.model or "refusion-smol",
                       "dtype": str(next(model.parameters()).dtype), "attn": model.config._attn_implementation,
                       "task": args.task, "prompts": len(prompts), "skip": args.skip,
-                      "max_new_tokens": args.max_new_tokens, "settings": settings, "threads": torch.get_num_threads(),
+                      "max_new_tokens": args.max_new_tokens, "settings": settings, "tables": args.tables,
+                      "threads": torch.get_num_threads(),
                       "torch": torch.__version__, "machine": platform.machine(), "results": totals,
                       "time": time.strftime("%Y-%m-%dT%H:%M:%S")}))
 

@@ -137,7 +137,12 @@ def attach_draft_table(model, directory: str | Path) -> None:
     """Give `model` the draft table saved in `directory`, when there is one."""
     path = Path(directory) / TABLE_FILE
     if path.is_file():
-        setattr(model, _ATTRIBUTE, DraftTable.load(path))
+        set_draft_table(model, DraftTable.load(path))
+
+
+def set_draft_table(model, table: DraftTable | None) -> None:
+    """Make `table` the draft table the exact mode reads for `model` (None: no table)."""
+    setattr(model, _ATTRIBUTE, table)
 
 
 def draft_table_of(model) -> DraftTable | None:
