@@ -3,12 +3,14 @@
 A small model's answers repeat themselves across prompts ("The final answer is", "```python\\ndef", "Let's
 break it down"), and prompt lookup cannot see what is not in the prompt or the response yet. The table is
 n-gram statistics of the model's own greedy answers (the distilled set it was trained on): for each run of
-n tokens (n in `orders`, 4, 3 and 2 by default) seen at least `min_count` times, the token that most often
+n tokens (n in `orders`, 4, 3, 2 and 1 by default) seen at least `min_count` times, the token that most often
 followed it and how often it did. Drafting walks the table greedily, each step from the longest run of the
-text's last tokens that the table knows (a run of 4 says more than a run of 2 when there is one): the token
-after them, then the token after the new last tokens, and so on, while the product of the followers'
-frequencies stays at or above `min_confidence`. On held-out GSM8K answers of refusion-smol, runs of 4, 3 and 2
-drafted 2.39 tokens per forward where runs of 3 alone drafted 2.27 (docs/BENCHMARKS.md, "The draft table").
+text's last tokens that the table knows (a run of 4 says more than a run of 2 when there is one, and a single
+token is the last resort): the token after them, then the token after the new last tokens, and so on, while the
+product of the followers' frequencies stays at or above `min_confidence`. On held-out GSM8K answers of
+refusion-smol, runs of 4, 3 and 2 drafted 2.39 tokens per forward where runs of 3 alone drafted 2.27, and adding
+single tokens raised the exact mode's speed by 2 % more (docs/BENCHMARKS.md, "The draft table", "Single tokens
+in the draft table").
 
 Drafts from the table are verified like copied ones (`speculate.copied_drafts`): AR decoding still decides
 every token, so the table never changes the output, only how many tokens a forward commits.
