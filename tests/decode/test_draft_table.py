@@ -7,7 +7,14 @@ import pytest
 import torch
 
 import refusion
-from refusion.decode.draft_table import TABLE_FILE, DraftTable, attach_draft_table, draft_table_of
+from refusion.decode.draft_table import (
+    DEFAULT_ORDERS,
+    TABLE_FILE,
+    DraftTable,
+    attach_draft_table,
+    draft_table_of,
+    set_draft_table,
+)
 from refusion.model.tiny import tiny_model, tiny_tokenizer
 
 
@@ -66,7 +73,7 @@ def test_table_drafts_never_change_the_output_and_are_accepted_when_they_are_the
     # the table of the model's own answers: its drafts are what AR decoding writes wherever the runs are unique
     attach = DraftTable.from_sequences([p[-3:] + s for p, s in zip(prompts, ar)], orders=(3,), min_count=1,
                                        min_confidence=0.5)
-    model.refusion_draft_table = attach
+    set_draft_table(model, attach)
     without = refusion.generate(model, prompts, cfg)
     with_table = refusion.generate(model, prompts, cfg.replace(table_length=4), trace=True)
     assert with_table.sequences == without.sequences == ar
@@ -79,7 +86,7 @@ def test_table_drafts_at_temperature_keep_the_output_reproducible_and_exact_in_g
     model = tiny_model("qwen3", dtype=torch.float64)
     prompts = [[1, 5, 7, 9], [12, 13, 14, 15, 16]]
     cfg = refusion.DecodeConfig(max_new_tokens=16, strategy="speculative", temperature=2.0, seed=3, eos_token_id=[])
-    model.refusion_draft_table = DraftTable.from_sequences([[5, 7, 9, 1, 2, 3, 4]], min_count=1)
+    set_draft_table(model, DraftTable.from_sequences([[5, 7, 9, 1, 2, 3, 4]], min_count=1))
     sampled = refusion.generate(model, prompts, cfg.replace(table_length=3)).sequences
     assert refusion.generate(model, prompts, cfg.replace(table_length=3)).sequences == sampled
     assert refusion.generate(model, prompts[:1], cfg.replace(table_length=3)).sequences == sampled[:1]
@@ -105,3 +112,11 @@ def test_draft_table_command_builds_the_table_that_load_attaches(tmp_path):
                  "--orders", "3,x"]) == 2
     attach_draft_table(model, tmp_path)  # no table there: nothing attached
     assert draft_table_of(model) is None
+
+
+def test_the_shipped_table_is_what_the_recipe_builds_by_default():
+    from refusion.model import embedded
+
+    table = DraftTable.load(embedded.ADAPTER_DIR / TABLE_FILE)
+    assert table.orders == DEFAULT_ORDERS  # `refusion draft-table` without --orders, as the recipe runs it
+    assert {len(run) for run in table.followers} == set(DEFAULT_ORDERS)
