@@ -9,7 +9,7 @@ text's last tokens that the table knows (a run of 4 says more than a run of 2 wh
 token is the last resort): the token after them, then the token after the new last tokens, and so on, while the
 product of the followers' frequencies stays at or above `min_confidence`. On held-out GSM8K answers of
 refusion-smol, runs of 4, 3 and 2 drafted 2.39 tokens per forward where runs of 3 alone drafted 2.27, and adding
-single tokens raised the exact mode's speed by 2 % more (docs/BENCHMARKS.md, "The draft table", "Single tokens
+single tokens raised the exact mode's speed by 1-2 % more (docs/BENCHMARKS.md, "The draft table", "Single tokens
 in the draft table").
 
 Drafts from the table are verified like copied ones (`speculate.copied_drafts`): AR decoding still decides
