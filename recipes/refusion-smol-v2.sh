@@ -19,19 +19,20 @@ OUT=${1:-runs/refusion-smol-v2}
 DATA=recipes/data/refusion-smol-v2-distill.jsonl.gz
 DATA2=recipes/data/refusion-smol-v2-distill-2.jsonl.gz
 DATA3=recipes/data/refusion-smol-v2-distill-3.jsonl.gz
+DISTILL_LIMIT=${DISTILL_LIMIT:-560} DISTILL2_LIMIT=${DISTILL2_LIMIT:-1481} DISTILL3_LIMIT=${DISTILL3_LIMIT:-3100}
 mkdir -p "$OUT"
 
 if [ ! -f "$DATA" ]; then
-  LIMIT=${DISTILL_LIMIT:-560} bash recipes/refusion-smol-v2-distill.sh "$OUT/distill"
+  LIMIT=$DISTILL_LIMIT bash recipes/refusion-smol-v2-distill.sh "$OUT/distill"
   cp "$OUT/distill/refusion-smol-v2-distill.jsonl.gz" "$DATA"
 fi
 if [ ! -f "$DATA2" ]; then
   # made in bf16, batch 64, with the sdpa attention of its day: a rerun gives slightly different answers
-  FROM=560 LIMIT=${DISTILL2_LIMIT:-1481} DTYPE=bfloat16 BATCH=64 PACKED="$DATA2" \
+  FROM=$DISTILL_LIMIT LIMIT=$DISTILL2_LIMIT DTYPE=bfloat16 BATCH=64 PACKED="$DATA2" \
     bash recipes/refusion-smol-v2-distill.sh "$OUT/distill"
 fi
 if [ ! -f "$DATA3" ]; then
-  FROM=${DISTILL2_LIMIT:-1481} LIMIT=${DISTILL3_LIMIT:-3100} PACKED="$DATA3" \
+  FROM=$DISTILL2_LIMIT LIMIT=$DISTILL3_LIMIT PACKED="$DATA3" \
     bash recipes/refusion-smol-v2-distill.sh "$OUT/distill"
 fi
 
