@@ -21,7 +21,8 @@ import time
 import torch
 
 from refusion.config import DecodeConfig, preset
-from refusion.decode.draft_table import DraftTable, draft_table_of, set_draft_table
+from refusion.model.draft_table import DraftTable
+from refusion.model.setup import setup_of
 from refusion.decode.loop import generate
 from refusion.decode.outputs import add_counts
 from refusion.eval.tasks import load_examples
@@ -79,23 +80,22 @@ def main() -> None:
                    [int(n) for n in args.table_lengths.split(",")])
     if args.modes:
         chosen = {name: chosen[name] for name in args.modes.split(",")}
-    tables = {name: draft_table_of(model) for name in chosen}  # the draft table each mode decodes with
+    setups = {name: setup_of(model) for name in chosen}  # the setup (draft table) each mode decodes with
     speculative = [name for name, cfg in chosen.items() if cfg.strategy == "speculative"]
     for i, path in enumerate(args.tables, 1):
         table = DraftTable.load(path)
         for name in speculative:
-            chosen[f"{name}_table{i}"], tables[f"{name}_table{i}"] = chosen[name], table
+            chosen[f"{name}_table{i}"] = chosen[name]
+            setups[f"{name}_table{i}"] = setups[name].replace(draft_table=table)
     for name, cfg in chosen.items():  # warm-up
-        set_draft_table(model, tables[name])
-        generate(model, prompts[:1], cfg.replace(max_new_tokens=8))
+        generate(model, prompts[:1], cfg.replace(max_new_tokens=8), setup=setups[name])
 
     totals = {name: dict(tokens=0, forwards=0, seconds=0.0, identical_to_ar=0, drafted=0, accepted=0)
               for name in chosen}
     ar_outputs = []
     for i, prompt in enumerate(prompts):
         for name, cfg in chosen.items():
-            set_draft_table(model, tables[name])
-            out = generate(model, [prompt], cfg)
+            out = generate(model, [prompt], cfg, setup=setups[name])
             s, t = out.stats.per_sequence[0], totals[name]
             t["tokens"] += s.tokens
             t["forwards"] += s.forwards

@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 
 import refusion
-from refusion.model.special_tokens import special_tokens_of
+from refusion.model.setup import setup_of
 
 
 def draft_agreement(model, prompts: list[list[int]], answers: list[list[int]], k: int, cuts: int) -> dict:
-    mask_id = special_tokens_of(model).mask_token_id
+    mask_id = setup_of(model).special_tokens.mask_token_id
     hits = torch.zeros(k)
     confidence = torch.zeros(k)
     count = torch.zeros(k)

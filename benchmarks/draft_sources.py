@@ -20,7 +20,7 @@ import itertools
 import json
 import time
 
-from refusion.decode.draft_table import DEFAULT_ORDERS, DraftTable, answers_with_openings
+from refusion.model.draft_table import DEFAULT_ORDERS, DraftTable, answers_with_openings
 from refusion.decode.speculate import text_drafts
 from refusion.model.loading import load
 from refusion.train.data import load_training_data, response_eos_id

@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DecodeConfig", "GenerationOutput", "GenerationStats", "RoundTrace", "SequenceStats", "PRESETS",
-    "preset", "load", "generate", "encode_prompts", "default_decode_settings",
+    "preset", "load", "generate", "encode_prompts", "default_decode_settings", "prepare", "setup_of", "ModelSetup",
 ]
 
 
@@ -18,6 +18,9 @@ def __getattr__(name):  # heavy imports (transformers) only when used
     if name == "default_decode_settings":
         from refusion.model.embedded import default_decode_settings
         return default_decode_settings
+    if name in ("prepare", "setup_of", "ModelSetup"):
+        from refusion.model import setup
+        return getattr(setup, name)
     if name in ("load", "encode_prompts"):
         from refusion.model import loading
         return getattr(loading, name)

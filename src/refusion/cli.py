@@ -18,8 +18,7 @@ SUBCOMMANDS = [
     "refusion.eval.cli",
     "refusion.serve.cli",
     "refusion.viz.cli",
-    "refusion.model.adapter",
-    "refusion.decode.draft_table",
+    "refusion.model.cli",
 ]
 
 

@@ -87,7 +87,7 @@ class DecodeConfig:
 
     table_length: int = 0
     """speculative: when prompt lookup finds nothing, draft up to this many tokens from the model's draft table
-    (what the model's own answers usually write after the last tokens: `refusion.decode.draft_table`), instead
+    (what the model's own answers usually write after the last tokens: `refusion.model.draft_table`), instead
     of the masks' drafts; 0, or a model without a table: never. Never changes the output."""
 
     predraft: bool = False

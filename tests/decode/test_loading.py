@@ -7,7 +7,8 @@ import torch
 
 import refusion
 from refusion.model import embedded
-from refusion.model.special_tokens import SpecialTokens, special_tokens_of
+from refusion.model.setup import setup_of
+from refusion.model.special_tokens import SpecialTokens
 from refusion.model.tiny import TINY_MASK_ID, tiny_model, tiny_tokenizer
 
 
@@ -17,7 +18,7 @@ def test_local_directory_resolves_mask_from_tokenizer(tmp_path):
     model.save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)
     loaded, tokenizer = refusion.load(tmp_path, dtype="float32", device="cpu")
-    assert special_tokens_of(loaded) == SpecialTokens(TINY_MASK_ID, (2,), 0)  # resolved once, at load
+    assert setup_of(loaded).special_tokens == SpecialTokens(TINY_MASK_ID, (2,), 0)  # resolved once, at load
     assert getattr(loaded.config, "mask_token_id", None) is None  # and not written back into the config
     assert loaded.generation_config.eos_token_id in (2, [2])
     ids = refusion.encode_prompts(tokenizer, ["hello"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from refusion.model import build_cache, loading
-from refusion.model.special_tokens import special_tokens_of
+from refusion.model.setup import setup_of
 
 PROMPT = torch.tensor([[1, 5, 7, 9, 63, 63, 11]])  # 63: <|mask|>, added to the base by the adapter's load
 
@@ -59,8 +59,8 @@ def test_second_load_reads_the_cache_and_gives_identical_logits(adapter_dir, cac
     assert len(builds) == 2
     assert second.dtype == torch.bfloat16
     assert torch.equal(_logits(second), _logits(uncached)) and torch.equal(_logits(first), _logits(uncached))
-    assert special_tokens_of(second) == special_tokens_of(uncached)
-    assert special_tokens_of(second).mask_token_id == tokenizer.convert_tokens_to_ids("<|mask|>") == 63
+    assert setup_of(second).special_tokens == setup_of(uncached).special_tokens
+    assert setup_of(second).special_tokens.mask_token_id == tokenizer.convert_tokens_to_ids("<|mask|>") == 63
     manifest = json.loads((_entries(cache_dir)[0] / build_cache.MANIFEST).read_text())
     assert manifest["inputs"]["dtype"] == "bfloat16" and "model.safetensors" in manifest["files"]
     assert {f["name"] for f in manifest["key"]["adapter_files"]} >= {"adapter_config.json"}
@@ -138,7 +138,7 @@ def test_an_unwritable_cache_still_loads(adapter_dir, tmp_path, builds, monkeypa
     monkeypatch.setenv("REFUSION_CACHE", str(tmp_path / "a-file" / "cache"))
     model, _ = _load(adapter_dir)
     assert len(builds) == 1 and "continuing without it" in capsys.readouterr().err
-    assert special_tokens_of(model).mask_token_id == 63
+    assert setup_of(model).special_tokens.mask_token_id == 63
 
 
 def test_plain_directories_are_not_cached(tiny_model_dir, cache_dir):

@@ -12,7 +12,8 @@ import torch
 import refusion
 from refusion.config import DecodeConfig
 from refusion.model.loading import load
-from refusion.model.special_tokens import SpecialTokens, resolve_special_tokens, special_tokens_of
+from refusion.model.setup import setup_of
+from refusion.model.special_tokens import SpecialTokens, resolve_special_tokens
 from refusion.model.tiny import TINY_MASK_ID, tiny_model, tiny_tokenizer
 
 MODEL_PACKAGE = Path(refusion.__file__).parent / "model"
@@ -20,11 +21,11 @@ MODEL_PACKAGE = Path(refusion.__file__).parent / "model"
 
 def test_a_plain_model_is_resolved_from_its_configs():
     model = tiny_model()
-    assert special_tokens_of(model) == SpecialTokens(TINY_MASK_ID, (2,), 0)
+    assert setup_of(model).special_tokens == SpecialTokens(TINY_MASK_ID, (2,), 0)
     model.config.mask_token_id = None
-    assert special_tokens_of(model).mask_token_id is None  # nothing was cached on a model load did not see
+    assert setup_of(model).special_tokens.mask_token_id is None  # nothing was cached on a model load did not see
     with pytest.raises(dataclasses.FrozenInstanceError):
-        special_tokens_of(model).mask_token_id = 5
+        setup_of(model).special_tokens.mask_token_id = 5
 
 
 def test_the_tokenizer_adds_the_mask_its_eos_and_the_end_of_turn_token():
@@ -47,14 +48,15 @@ def test_decode_config_overrides_and_the_missing_mask_error():
             tokens.for_decoding(DecodeConfig(strategy=strategy))
 
 
-def test_generate_takes_special_tokens_for_a_plain_model():
+def test_generate_takes_a_setup_with_special_tokens_for_a_plain_model():
     model = tiny_model()
     model.config.mask_token_id = None  # a plain transformers model: its configs name no mask token
     prompts = [[1, 5, 7, 9], [1, 3, 4]]
     cfg = DecodeConfig(max_new_tokens=12, slot_size=2, block_size=4, eos_token_id=[])
     with pytest.raises(ValueError, match="mask_token_id is unknown"):
         refusion.generate(model, prompts, cfg)
-    given = refusion.generate(model, prompts, cfg, special_tokens=SpecialTokens(TINY_MASK_ID, (2,)))
+    setup = setup_of(model).replace(special_tokens=SpecialTokens(TINY_MASK_ID, (2,)))
+    given = refusion.generate(model, prompts, cfg, setup=setup)
     assert given.sequences == refusion.generate(tiny_model(), prompts, cfg).sequences
 
 
@@ -64,7 +66,7 @@ def test_load_attaches_the_tokens_without_writing_the_config(tmp_path):
     model.save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)
     loaded, _ = load(tmp_path, dtype="float32", device="cpu")
-    assert special_tokens_of(loaded) == SpecialTokens(TINY_MASK_ID, (2,), 0)
+    assert setup_of(loaded).special_tokens == SpecialTokens(TINY_MASK_ID, (2,), 0)
     assert getattr(loaded.config, "mask_token_id", None) is None
     out = refusion.generate(loaded, [[1, 5, 7]], max_new_tokens=8, slot_size=2, block_size=4)
     assert out.sequences[0]
@@ -81,7 +83,7 @@ def test_eos_default_is_the_generation_config_plus_the_tokenizer_eos(tmp_path):
     tokenizer.save_pretrained(tmp_path)
     loaded, tokenizer = load(tmp_path, dtype="float32", device="cpu")
     assert tokenizer.eos_token_id == 15
-    assert special_tokens_of(loaded).eos_token_ids == (17, 15, 2)  # + <|im_end|>, the chat template's turn end
+    assert setup_of(loaded).special_tokens.eos_token_ids == (17, 15, 2)  # + <|im_end|>, the chat template's turn end
     prompts = [[1, 5, 7, 9], [1, 3, 4, 5, 6, 7, 8, 10, 11]]
     out = refusion.generate(loaded, prompts, max_new_tokens=25, strategy="autoregressive")
     assert [s[-1] for s in out.sequences] == [15, 17]  # one stopped on the tokenizer's EOS, one on the config's

@@ -156,7 +156,7 @@ def run_file(args: argparse.Namespace) -> int:
 
     from refusion.decode.loop import Decoder
     from refusion.model.loading import encode_prompts, load
-    from refusion.model.special_tokens import special_tokens_of
+    from refusion.model.setup import setup_of
 
     if not (args.input and args.output):
         raise ValueError("--input and --output go together")
@@ -174,7 +174,7 @@ def run_file(args: argparse.Namespace) -> int:
         return 0
     model, tokenizer = load(args.model, dtype=args.dtype, device=args.device)
     ids = encode_prompts(tokenizer, [prompt for _, prompt in prompts[done:]], chat=not args.no_chat, system=args.system)
-    tokens = special_tokens_of(model).for_decoding(cfg)
+    tokens = setup_of(model).special_tokens.for_decoding(cfg)
     decoder = Decoder(model)  # the cache grows (and compacts) as prompts come and go
     waiting, index_of, answered, written = iter(range(done, len(prompts))), {}, {}, done
     with open(args.output, "a", encoding="utf-8") as out_file, tqdm(total=len(prompts), initial=done,

@@ -17,17 +17,18 @@ import torch
 
 from refusion.config import DecodeConfig
 from refusion.decode.cache import PADDING, SlotCache, attention_mask_dtype, attention_windows, cache_keyword
-from refusion.decode.draft_table import draft_table_of
 from refusion.decode.outputs import BatchStats, GenerationOutput, GenerationStats, RoundTrace
 from refusion.decode.program import Forward, Sequence
-from refusion.model.special_tokens import SpecialTokens, special_tokens_of
+from refusion.model.setup import ModelSetup, check_promise, setup_of
 
 
 class Decoder:
     """Runs the decoding programs of many sequences, one batched forward per `step()`."""
 
-    def __init__(self, model, capacity: int = 512):
+    def __init__(self, model, capacity: int = 512, *, setup: ModelSetup | None = None):
+        """`setup`: what refusion added to the model (special tokens, draft table, ...); None: `setup_of(model)`."""
         self.model = model
+        self.setup = setup or setup_of(model)
         self.device = next(model.parameters()).device
         mask_dtype = attention_mask_dtype(model)
         text_config = model.config.get_text_config()
@@ -38,7 +39,6 @@ class Decoder:
         self._next_id = 0
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cache_keyword = cache_keyword(model)
-        self.draft_table = draft_table_of(model)
 
     def add(self, prompt: list[int], cfg: DecodeConfig, *, mask_token_id: int | None, eos_token_ids: list[int],
             generator: torch.Generator | None = None, index: int = 0, trace: bool = False,
@@ -52,7 +52,7 @@ class Decoder:
         generator = sequence_generator(cfg, index, generator, self.device)
         seq = Sequence(self._next_id, prompt, cfg, mask_token_id=mask_token_id, eos_token_ids=eos_token_ids,
                        cache=self.cache, device=self.device, generator=generator, trace=trace, on_round=on_round,
-                       draft_table=self.draft_table)
+                       draft_table=self.setup.draft_table)
         self._next_id += 1
         self.live[seq.id] = (seq, next(seq.program))
         return seq
@@ -196,7 +196,7 @@ def sequence_generator(cfg: DecodeConfig, index: int, generator: torch.Generator
 
 @torch.inference_mode()
 def generate(model, input_ids, cfg: DecodeConfig | None = None, *, attention_mask=None, trace: bool = False,
-             generator: torch.Generator | None = None, special_tokens: SpecialTokens | None = None,
+             generator: torch.Generator | None = None, setup: ModelSetup | None = None,
              on_round: Callable[[Sequence, RoundTrace], None] | None = None, **overrides) -> GenerationOutput:
     """Decode a batch of prompts with ReFusion plan-and-infill (or the AR baseline).
 
@@ -209,14 +209,17 @@ def generate(model, input_ids, cfg: DecodeConfig | None = None, *, attention_mas
         generator: random generator shared by all sequences when temperature > 0 (default: one per
             sequence, seeded with cfg.seed + index).
         on_round: called after every round of every sequence with (sequence, RoundTrace).
-        special_tokens: the model's mask / EOS ids; None takes those `refusion.load` attached to the model, or
-            resolves them from the model's configs (a plain transformers model). `cfg.mask_token_id` and
-            `cfg.eos_token_id`, when set, replace them.
+        setup: what refusion adds to the model (special tokens, draft table, kernels: `refusion.model.setup`);
+            None: `setup_of(model)`, the one `refusion.load` / `refusion.prepare` attached, or for a plain
+            transformers model its tokens resolved from its configs. `cfg.mask_token_id` and `cfg.eos_token_id`,
+            when set, replace its mask and EOS ids.
     """
     cfg = cfg or DecodeConfig()
     if overrides:
         cfg = cfg.replace(**overrides)
-    tokens = (special_tokens or special_tokens_of(model)).for_decoding(cfg)
+    setup = setup or setup_of(model)
+    check_promise(model, setup, cfg.strategy)
+    tokens = setup.special_tokens.for_decoding(cfg)
     if attention_mask is None:
         reject_padding(input_ids, tokens.pad_token_id)
     prompts = normalize_prompts(input_ids, attention_mask)
@@ -225,7 +228,8 @@ def generate(model, input_ids, cfg: DecodeConfig | None = None, *, attention_mas
     model.eval()
     start = time.perf_counter()
     try:
-        decoder = Decoder(model, capacity=max(map(len, prompts)) + cfg.canvas_length + 2 * cfg.block_size)
+        decoder = Decoder(model, capacity=max(map(len, prompts)) + cfg.canvas_length + 2 * cfg.block_size,
+                          setup=setup)
         seqs = [decoder.add(p, cfg, mask_token_id=mask_id, eos_token_ids=eos_ids, generator=generator, index=i,
                             trace=trace, on_round=on_round)
                 for i, p in enumerate(prompts)]

@@ -20,7 +20,7 @@ import torch
 
 from refusion.config import DecodeConfig
 from refusion.decode.cache import SlotCache
-from refusion.decode.draft_table import DraftTable
+from refusion.model.draft_table import DraftTable
 from refusion.decode.infill import (
     accepted_prefix,
     cut_after_first_eos,

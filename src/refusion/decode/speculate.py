@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from refusion.decode.draft_table import DraftTable
+from refusion.model.draft_table import DraftTable
 from refusion.decode.infill import accepted_prefix
 from refusion.decode.plan import greedy
 

@@ -55,9 +55,9 @@ class ReFusionLM(TemplateLM):
     # -- tokenizer ------------------------------------------------------------------------------------
     @property
     def eot_token_id(self) -> int:
-        from refusion.model.special_tokens import special_tokens_of
+        from refusion.model.setup import setup_of
 
-        eos = special_tokens_of(self.model).eos_token_id
+        eos = setup_of(self.model).special_tokens.eos_token_id
         return eos if eos is not None else self.tokenizer.eos_token_id
 
     @property

@@ -1,8 +1,8 @@
 """Loading models and tokenizers: local HF directories, adapter directories, hub ids, GGUF files and the
 packaged default.
 
-`load` resolves the special tokens once (`special_tokens.py`) and attaches them to the model. A model that has
-to be built (a GGUF file dequantized, an adapter merged: the embedded model is both) is cached on disk after the
+`load` loads, then `prepare`s the model (`setup.py`): kernels chosen, special tokens resolved once, draft table
+found, all kept in one `ModelSetup` that `refusion.setup_of(model)` returns. A model that has to be built (a GGUF file dequantized, an adapter merged: the embedded model is both) is cached on disk after the
 first load (`build_cache.py`).
 """
 
@@ -17,12 +17,10 @@ from pathlib import Path
 
 import torch
 
-from refusion.decode.draft_table import attach_draft_table
 from refusion.model import build_cache, embedded
 from refusion.model.adapter import adapter_base, adapter_gate, is_adapter_dir
-from refusion.model.narrow import use_narrow_linears
-from refusion.model.row_exact import EXACT_ATTENTION, packed_rows_match, packing_available, use_packed_linears
-from refusion.model.special_tokens import attach_special_tokens, resolve_special_tokens
+from refusion.model.row_exact import EXACT_ATTENTION, packed_rows_match, packing_available
+from refusion.model.setup import LINEAR_KERNELS, prepare
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ALIASES = ("smollm2",)
@@ -123,7 +121,8 @@ def _check_model_dir(path: Path) -> None:
 
 
 def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None = None,
-         device: torch.device | str | None = None, *, attn_implementation: str | None = None):
+         device: torch.device | str | None = None, *, attn_implementation: str | None = None,
+         linear: str = "auto"):
     """Load (model, tokenizer) ready for `refusion.generate`.
 
     Args:
@@ -134,11 +133,17 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
             a GPU that has it and on an AMX CPU, else fp16 on a GPU and fp32 on the CPU).
         device: "cpu", "cuda", ...; None picks CUDA when available.
         attn_implementation: "sdpa", "eager" or "refusion_exact"; None: `default_attention(device, dtype)`.
+        linear: the linear kernel, "auto" (chosen by measurement) or pinned: "plain", "packed", "narrow"
+            (`refusion.model.setup.prepare`).
 
-    The model's special tokens (`refusion.model.special_tokens.special_tokens_of(model)`) are resolved here,
-    once. On an AMX CPU, bf16 linear layers multiply by weights packed once (`refusion.model.row_exact`); elsewhere on
-    a CPU where it is faster, they multiply weight-major in few-token forwards (`refusion.model.narrow`). GGUF and adapter sources are built once and then read from the disk cache (`build_cache.py`).
+    The loaded model is prepared (`refusion.model.setup.prepare`): on an AMX CPU, bf16 linear layers multiply by
+    weights packed once (`refusion.model.row_exact`); elsewhere on a CPU where it is faster, they multiply
+    weight-major in few-token forwards (`refusion.model.narrow`); the special tokens are resolved once and a
+    shipped draft table is read; `refusion.setup_of(model)` returns all of it. GGUF and adapter sources are built
+    once and then read from the disk cache (`build_cache.py`).
     """
+    if linear not in LINEAR_KERNELS:
+        raise ValueError(f"linear={linear!r} is invalid: must be one of {', '.join(LINEAR_KERNELS)}")
     device = torch.device(device) if device is not None else default_device()
     if isinstance(dtype, str):
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
@@ -152,14 +157,7 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
                          "cache, and the hub cannot be reached (this machine is offline)")
     model, tokenizer = _load_or_build(source, dtype, attn_implementation)
     model.to(device).eval()
-    attach_draft_table(model, source.adapter_dir or source.path)  # the exact mode's n-gram drafts, when shipped
-    use_packed_linears(model)  # bf16 on an AMX CPU: weights packed once for oneDNN, row-exact products
-    use_narrow_linears(model)  # CPU: few-token forwards multiply weight-major where that is faster here
-    tokens = resolve_special_tokens(model, tokenizer)
-    if tokens.eos_token_ids:  # transformers' own `generate` (and a saved copy) stops where refusion does
-        eos = tokens.eos_token_ids
-        model.generation_config.eos_token_id = eos[0] if len(eos) == 1 else list(eos)
-    attach_special_tokens(model, tokens)
+    prepare(model, tokenizer, directory=source.adapter_dir or source.path, linear=linear)
     return model, tokenizer
 
 

@@ -13,20 +13,22 @@ from dataclasses import replace
 
 import torch
 
-from refusion.model.special_tokens import MASK_TOKEN, attach_special_tokens, special_tokens_of
+from refusion.model.setup import attach_setup, setup_of
+from refusion.model.special_tokens import MASK_TOKEN
 
 
 def add_mask_token(model, tokenizer, *, token: str = MASK_TOKEN) -> int:
     """Give `model` and `tokenizer` a mask token; return its id (docs/TRAINING.md, "The objective, step by step").
 
-    1. The model already has a mask token (`special_tokens_of(model)`: resolved at load from its config or its
+    1. The model already has a mask token (`setup_of(model).special_tokens`: resolved at load from its config or its
        tokenizer): check the tokenizer agrees, record it in `model.config.mask_token_id`, change no weight.
     2. Otherwise add `token` to the tokenizer as a special token (if absent), grow the embeddings when the
        id falls outside them, set the token's input (and untied output) row to the mean row, and store
-       the id in `model.config.mask_token_id` (and in the special tokens the model carries).
+       the id in `model.config.mask_token_id` (and in the model's `ModelSetup`, when refusion prepared it).
     """
     vocab = tokenizer.get_vocab()
-    tokens = special_tokens_of(model)
+    setup = setup_of(model)
+    tokens = setup.special_tokens
     existing = tokens.mask_token_id
     if existing is not None:
         _check_tokenizer_agrees(vocab, token, existing)
@@ -40,7 +42,8 @@ def add_mask_token(model, tokenizer, *, token: str = MASK_TOKEN) -> int:
         model.resize_token_embeddings(mask_id + 1, mean_resizing=False)
     _set_rows_to_mean(model, mask_id, n_reference_rows=min(old_rows, mask_id))
     model.config.mask_token_id = mask_id
-    attach_special_tokens(model, replace(tokens, mask_token_id=mask_id))
+    if setup.prepared:
+        attach_setup(model, setup.replace(special_tokens=replace(tokens, mask_token_id=mask_id)))
     return mask_id
 
 

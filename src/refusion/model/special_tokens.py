@@ -1,8 +1,8 @@
 """The special tokens of a model, resolved once into one small frozen object (docs/DECODING.md, "Special tokens").
 
-`refusion.load` resolves them when it loads a model and the tokenizer is at hand, and attaches the result to
-the model (`special_tokens_of(model)` reads it back). A model built or loaded some other way (plain
-transformers, the tiny test models) is resolved from its own configs on first use, by the same function.
+`refusion.load` resolves them when it loads a model and the tokenizer is at hand, and keeps the result in the
+model's `ModelSetup` (`refusion.model.setup`: `setup_of(model).special_tokens`). A model built or loaded some other
+way (plain transformers, the tiny test models) is resolved from its own configs, by the same function.
 Nothing else in the package looks for token ids in `model.config`.
 """
 
@@ -13,8 +13,6 @@ from dataclasses import dataclass
 MASK_TOKEN = "<|mask|>"
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")
 """Chat end-of-turn tokens: an EOS id when the tokenizer's chat template uses them."""
-
-_ATTRIBUTE = "refusion_special_tokens"
 
 
 @dataclass(frozen=True)
@@ -85,17 +83,6 @@ def resolve_special_tokens(model, tokenizer=None) -> SpecialTokens:
             pad_id = getattr(source, "pad_token_id", None)
     return SpecialTokens(None if mask_id is None else int(mask_id), tuple(eos_ids),
                          None if pad_id is None else int(pad_id))
-
-
-def attach_special_tokens(model, tokens: SpecialTokens) -> None:
-    """Make `tokens` travel with `model` (what `refusion.load` does once it has resolved them)."""
-    setattr(model, _ATTRIBUTE, tokens)
-
-
-def special_tokens_of(model) -> SpecialTokens:
-    """The special tokens attached to `model` by `refusion.load`, else resolved from the model's own configs."""
-    tokens = getattr(model, _ATTRIBUTE, None)
-    return tokens if isinstance(tokens, SpecialTokens) else resolve_special_tokens(model)
 
 
 def _as_ids(value) -> tuple[int, ...]:

@@ -101,8 +101,8 @@ def create_app(model, tokenizer, *, config: DecodeConfig | None = None, model_na
 
 def _check_model_fits(model, config: DecodeConfig) -> None:
     """Fail at startup, not on the first request, when the default strategy cannot run on this model."""
-    from refusion.model.special_tokens import special_tokens_of
-    special_tokens_of(model).for_decoding(config)
+    from refusion.model.setup import setup_of
+    setup_of(model).special_tokens.for_decoding(config)
 
 
 # ------------------------------------------------------------------------------------------ routes
@@ -222,13 +222,13 @@ def _build_jobs(server: Server, body, prompts: list[list[int]], emits) -> list[J
     anything is queued (`Decoder.add` checks again when the scheduler admits the job); the decoder seeds each
     sequence's generator (seed + its index in the request)."""
     from refusion.decode.loop import validate_prompts
-    from refusion.model.special_tokens import special_tokens_of
+    from refusion.model.setup import setup_of
 
     jobs = []
     for index, (prompt, emit) in enumerate(zip(prompts, emits, strict=True)):
         cfg = _request_config(server, body, len(prompt))
         try:
-            tokens = special_tokens_of(server.model).for_decoding(cfg)
+            tokens = setup_of(server.model).special_tokens.for_decoding(cfg)
             mask_id, eos_ids = tokens.mask_token_id, list(tokens.eos_token_ids)
             validate_prompts(server.model, [prompt], cfg, mask_id, first_index=index)
         except ValueError as e:

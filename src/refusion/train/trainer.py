@@ -403,9 +403,9 @@ def _ranks_in_sync(accelerator, parameters) -> bool:
 
 def _add_generation_eos(model, eos_id: int) -> None:
     """Make the response EOS (e.g. <|im_end|>) stop generation of the saved model."""
-    from refusion.model.special_tokens import special_tokens_of
+    from refusion.model.setup import setup_of
 
-    ids = list(special_tokens_of(model).eos_token_ids)
+    ids = list(setup_of(model).special_tokens.eos_token_ids)
     if eos_id not in ids:
         model.generation_config.eos_token_id = [eos_id, *ids]
 

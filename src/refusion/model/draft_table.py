@@ -15,13 +15,12 @@ in the draft table").
 Drafts from the table are verified like copied ones (`speculate.copied_drafts`): AR decoding still decides
 every token, so the table never changes the output, only how many tokens a forward commits.
 
-Shipped next to a model as `draft_table.safetensors` (`refusion.load` attaches it; `draft_table_of(model)`
-reads it back) and built by `refusion draft-table`.
+Shipped next to a model as `draft_table.safetensors` (`refusion.load` puts it in the model's `ModelSetup`,
+`refusion.model.setup`) and built by `refusion draft-table` (`refusion.model.cli`).
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 from collections.abc import Iterable
@@ -33,7 +32,6 @@ import torch
 TABLE_FILE = "draft_table.safetensors"
 DEFAULT_ORDERS = (4, 3, 2, 1)
 """Lengths of the token runs a table keys on unless told otherwise."""
-_ATTRIBUTE = "refusion_draft_table"
 
 
 @dataclass(frozen=True)
@@ -133,57 +131,3 @@ def answers_with_openings(prompts, responses, orders: Iterable[int] = DEFAULT_OR
     as the longest run: what a table counts, so that it drafts answers' openings too."""
     longest = max(orders)
     return [list(p[-longest:]) + list(r) for p, r in zip(prompts, responses)]
-
-
-def attach_draft_table(model, directory: str | Path) -> None:
-    """Give `model` the draft table saved in `directory`, when there is one."""
-    path = Path(directory) / TABLE_FILE
-    if path.is_file():
-        set_draft_table(model, DraftTable.load(path))
-
-
-def set_draft_table(model, table: DraftTable | None) -> None:
-    """Make `table` the draft table the exact mode reads for `model` (None: no table)."""
-    setattr(model, _ATTRIBUTE, table)
-
-
-def draft_table_of(model) -> DraftTable | None:
-    """The draft table `refusion.load` attached to the model; None when it has none."""
-    return getattr(model, _ATTRIBUTE, None)
-
-
-# --------------------------------------------------------------------------------- command line
-def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("draft-table", help="build a model's draft table from its own answers",
-                              description="Build the draft table of a model (n-gram statistics of its own "
-                                          "answers, drafts for the exact mode) from training records "
-                                          '({"query", "response"} JSONL, .gz allowed), and save it as '
-                                          f"DIR/{TABLE_FILE}, where `refusion.load(DIR)` finds it.")
-    p.add_argument("data", nargs="+", help="training record files (the model's own answers)")
-    p.add_argument("--model", default=None, help="the model whose tokenizer reads the answers (default: embedded)")
-    p.add_argument("--output", required=True, metavar="DIR", help="the model or adapter directory to save it in")
-    p.add_argument("--orders", default=",".join(map(str, DEFAULT_ORDERS)), help="lengths of the token runs the table keys on")
-    p.add_argument("--min-count", type=int, default=2)
-    p.add_argument("--min-confidence", type=float, default=0.1)
-    p.set_defaults(func=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
-    from refusion.model.loading import load
-    from refusion.train.data import load_training_data, response_eos_id
-
-    output = Path(args.output)
-    if not output.is_dir():
-        raise ValueError(f"--output {output} is not a directory")
-    try:
-        orders = tuple(int(o) for o in args.orders.split(","))
-    except ValueError:
-        raise ValueError(f"--orders {args.orders!r} is not a comma-separated list of integers") from None
-    _, tokenizer = load(args.model)
-    data = load_training_data(tuple(args.data), tokenizer, eos_id=response_eos_id(tokenizer), max_length=2**31)
-    answers = answers_with_openings([p.tolist() for p in data.prompts], [r.tolist() for r in data.responses], orders)
-    table = DraftTable.from_sequences(answers, orders, args.min_count, args.min_confidence)
-    table.save(output / TABLE_FILE)
-    print(f"draft table: {len(table.followers)} runs of {', '.join(map(str, table.orders))} tokens from "
-          f"{len(answers)} answers -> {output / TABLE_FILE}")
-    return 0

@@ -7,14 +7,8 @@ import pytest
 import torch
 
 import refusion
-from refusion.decode.draft_table import (
-    DEFAULT_ORDERS,
-    TABLE_FILE,
-    DraftTable,
-    attach_draft_table,
-    draft_table_of,
-    set_draft_table,
-)
+from refusion.model.draft_table import DEFAULT_ORDERS, TABLE_FILE, DraftTable
+from refusion.model.setup import prepare, setup_of
 from refusion.model.tiny import tiny_model, tiny_tokenizer
 
 
@@ -71,11 +65,11 @@ def test_table_drafts_never_change_the_output_and_are_accepted_when_they_are_the
     cfg = refusion.DecodeConfig(max_new_tokens=24, strategy="speculative", draft_length=1, eos_token_id=2)
     ar = refusion.generate(model, prompts, cfg.replace(strategy="autoregressive")).sequences
     # the table of the model's own answers: its drafts are what AR decoding writes wherever the runs are unique
-    attach = DraftTable.from_sequences([p[-3:] + s for p, s in zip(prompts, ar)], orders=(3,), min_count=1,
-                                       min_confidence=0.5)
-    set_draft_table(model, attach)
-    without = refusion.generate(model, prompts, cfg)
-    with_table = refusion.generate(model, prompts, cfg.replace(table_length=4), trace=True)
+    table = DraftTable.from_sequences([p[-3:] + s for p, s in zip(prompts, ar)], orders=(3,), min_count=1,
+                                      min_confidence=0.5)
+    setup = setup_of(model).replace(draft_table=table)
+    without = refusion.generate(model, prompts, cfg, setup=setup)
+    with_table = refusion.generate(model, prompts, cfg.replace(table_length=4), trace=True, setup=setup)
     assert with_table.sequences == without.sequences == ar
     assert with_table.stats.batch.forwards < without.stats.batch.forwards
     longest = max(len(e.tokens) for rounds in with_table.traces for r in rounds for e in r.planned)
@@ -86,10 +80,10 @@ def test_table_drafts_at_temperature_keep_the_output_reproducible_and_exact_in_g
     model = tiny_model("qwen3", dtype=torch.float64)
     prompts = [[1, 5, 7, 9], [12, 13, 14, 15, 16]]
     cfg = refusion.DecodeConfig(max_new_tokens=16, strategy="speculative", temperature=2.0, seed=3, eos_token_id=[])
-    set_draft_table(model, DraftTable.from_sequences([[5, 7, 9, 1, 2, 3, 4]], min_count=1))
-    sampled = refusion.generate(model, prompts, cfg.replace(table_length=3)).sequences
-    assert refusion.generate(model, prompts, cfg.replace(table_length=3)).sequences == sampled
-    assert refusion.generate(model, prompts[:1], cfg.replace(table_length=3)).sequences == sampled[:1]
+    setup = setup_of(model).replace(draft_table=DraftTable.from_sequences([[5, 7, 9, 1, 2, 3, 4]], min_count=1))
+    sampled = refusion.generate(model, prompts, cfg.replace(table_length=3), setup=setup).sequences
+    assert refusion.generate(model, prompts, cfg.replace(table_length=3), setup=setup).sequences == sampled
+    assert refusion.generate(model, prompts[:1], cfg.replace(table_length=3), setup=setup).sequences == sampled[:1]
 
 
 def test_draft_table_command_builds_the_table_that_load_attaches(tmp_path):
@@ -100,18 +94,17 @@ def test_draft_table_command_builds_the_table_that_load_attaches(tmp_path):
     tokenizer.save_pretrained(tmp_path / "m")
     records = [{"query": "hello", "response": "hello world hello world"}] * 3
     (tmp_path / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    assert draft_table_of(refusion.load(tmp_path / "m", dtype="float32", device="cpu")[0]) is None
+    assert setup_of(refusion.load(tmp_path / "m", dtype="float32", device="cpu")[0]).draft_table is None
     assert main(["draft-table", str(tmp_path / "answers.jsonl"), "--model", str(tmp_path / "m"),
                  "--output", str(tmp_path / "m")]) == 0
     loaded, _ = refusion.load(tmp_path / "m", dtype="float32", device="cpu")
-    table = draft_table_of(loaded)
+    table = setup_of(loaded).draft_table
     ids = tokenizer("hello world hello world", add_special_tokens=False)["input_ids"]
     assert table is not None and table.drafts(ids[:3], 1) == ids[3:4]
     assert main(["draft-table", str(tmp_path / "answers.jsonl"), "--output", str(tmp_path / "nowhere")]) == 2
     assert main(["draft-table", str(tmp_path / "answers.jsonl"), "--output", str(tmp_path / "m"),
                  "--orders", "3,x"]) == 2
-    attach_draft_table(model, tmp_path)  # no table there: nothing attached
-    assert draft_table_of(model) is None
+    assert prepare(model, directory=tmp_path).draft_table is None  # no table there: none in the setup
 
 
 def test_the_shipped_table_is_what_the_recipe_builds_by_default():

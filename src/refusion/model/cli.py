@@ -1,0 +1,71 @@
+"""Commands that make a model's shipped files: `refusion draft-table` and `refusion export-adapter`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from refusion.model.draft_table import DEFAULT_ORDERS, TABLE_FILE
+
+
+def add_parser(subparsers) -> None:
+    _add_draft_table_parser(subparsers)
+    _add_export_adapter_parser(subparsers)
+
+
+# --------------------------------------------------------------------------------- draft-table
+def _add_draft_table_parser(subparsers) -> None:
+    p = subparsers.add_parser("draft-table", help="build a model's draft table from its own answers",
+                              description="Build the draft table of a model (n-gram statistics of its own "
+                                          "answers, drafts for the exact mode) from training records "
+                                          '({"query", "response"} JSONL, .gz allowed), and save it as '
+                                          f"DIR/{TABLE_FILE}, where `refusion.load(DIR)` finds it.")
+    p.add_argument("data", nargs="+", help="training record files (the model's own answers)")
+    p.add_argument("--model", default=None, help="the model whose tokenizer reads the answers (default: embedded)")
+    p.add_argument("--output", required=True, metavar="DIR", help="the model or adapter directory to save it in")
+    p.add_argument("--orders", default=",".join(map(str, DEFAULT_ORDERS)), help="lengths of the token runs the table keys on")
+    p.add_argument("--min-count", type=int, default=2)
+    p.add_argument("--min-confidence", type=float, default=0.1)
+    p.set_defaults(func=_run_draft_table)
+
+
+def _run_draft_table(args: argparse.Namespace) -> int:
+    from refusion.model.draft_table import DraftTable, answers_with_openings
+    from refusion.model.loading import load
+    from refusion.train.data import load_training_data, response_eos_id
+
+    output = Path(args.output)
+    if not output.is_dir():
+        raise ValueError(f"--output {output} is not a directory")
+    try:
+        orders = tuple(int(o) for o in args.orders.split(","))
+    except ValueError:
+        raise ValueError(f"--orders {args.orders!r} is not a comma-separated list of integers") from None
+    _, tokenizer = load(args.model)
+    data = load_training_data(tuple(args.data), tokenizer, eos_id=response_eos_id(tokenizer), max_length=2**31)
+    answers = answers_with_openings([p.tolist() for p in data.prompts], [r.tolist() for r in data.responses], orders)
+    table = DraftTable.from_sequences(answers, orders, args.min_count, args.min_confidence)
+    table.save(output / TABLE_FILE)
+    print(f"draft table: {len(table.followers)} runs of {', '.join(map(str, table.orders))} tokens from "
+          f"{len(answers)} answers -> {output / TABLE_FILE}")
+    return 0
+
+
+# --------------------------------------------------------------------------------- export-adapter
+def _add_export_adapter_parser(subparsers) -> None:
+    parser = subparsers.add_parser("export-adapter", help="copy a LoRA adapter in a smaller dtype, ready to ship",
+                                   description="Copy an adapter directory with its floating tensors cast to a "
+                                               "smaller dtype and its base recorded portably.")
+    parser.add_argument("source", help="adapter directory (OUTPUT/adapter of a LoRA run of `refusion train`)")
+    parser.add_argument("target", help="directory to write")
+    parser.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16 or float32")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty target directory")
+    parser.set_defaults(func=_run_export_adapter)
+
+
+def _run_export_adapter(args) -> int:
+    from refusion.model.adapter import export_adapter
+
+    path = export_adapter(args.source, args.target, dtype=args.dtype, overwrite=args.overwrite)
+    print(f"refusion export-adapter: wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, {args.dtype})")
+    return 0

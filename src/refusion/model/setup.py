@@ -1,0 +1,200 @@
+"""What refusion adds to a model, in one explicit object: `ModelSetup`.
+
+A transformers model knows nothing of masks, draft tables or row-exact kernels. refusion keeps everything it adds
+in one frozen `ModelSetup` (special tokens, draft table, the kernels chosen and why, the adapter's gate, the
+exactness promise), built in one place (`prepare`, which `refusion.load` calls), attached to the model as one
+attribute (the way transformers attaches its `generation_config`) and passed explicitly to `Decoder` / `generate`
+(`setup=`), which otherwise read it with `setup_of(model)`.
+
+A model refusion did not prepare (loaded with plain transformers, built in a test) gets `plain_setup(model)`: its
+special tokens resolved from its configs, no draft table, its kernels as they are, and a promise that says what
+they give. Decoding such a model in the exact mode where `prepare` would have made it row-exact warns once
+(`check_promise`), so nothing is lost silently; `refusion.prepare(model, tokenizer)` gives it the same setup
+`refusion.load` would.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from refusion.model.draft_table import TABLE_FILE, DraftTable
+from refusion.model.special_tokens import SpecialTokens, resolve_special_tokens
+
+LINEAR_KERNELS = ("auto", "plain", "packed", "narrow")
+"""What `prepare(linear=...)` accepts: "auto" chooses by measurement; the others pin the choice."""
+
+_ATTRIBUTE = "refusion_setup"
+_warned: weakref.WeakSet = weakref.WeakSet()  # models whose weaker promise was already reported
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The kernels a model's forward runs, and why they were chosen."""
+
+    linear: str
+    """"plain" (nn.Linear), "packed" (bf16 weights packed once for AMX, row-exact: `model.row_exact`) or "narrow"
+    (weight-major products in few-token forwards: `model.narrow`)."""
+
+    attention: str
+    """The attention implementation the model runs ("sdpa", "eager", "refusion_exact", ...)."""
+
+    reason: str
+    """Why: what the probe measured, that the caller pinned it, or that refusion did not prepare the model."""
+
+
+@dataclass(frozen=True)
+class ModelSetup:
+    """Everything refusion adds to a model, explicit and immutable (`prepare` builds it, `setup_of` reads it)."""
+
+    special_tokens: SpecialTokens
+    """Mask, EOS and pad ids, resolved once from the model's configs and its tokenizer."""
+
+    kernels: Kernels
+    """The linear and attention kernels of the model's forward and why they were chosen."""
+
+    draft_table: DraftTable | None = None
+    """The exact mode's n-gram drafts (`DecodeConfig.table_length`), found beside the model; None when none ships."""
+
+    adapter_gate: str = "none"
+    """"mask" when a mask-gated adapter is attached (it acts only at `<|mask|>` rows, so clean-token logits are
+    the base's own), else "none"."""
+
+    row_exact: bool = False
+    """The exactness promise. True: every row of a forward is computed bit for bit as it would be alone (packed
+    bf16 products and fp64-summed attention), so the exact mode's output is AR decoding's bit for bit. False: a
+    wide forward may round a row differently from a one-token one; in fp32 the exact mode still matches AR
+    decoding token for token in practice, in bf16 or fp16 a near-tie can flip."""
+
+    prepared: bool = True
+    """Whether `prepare` built this setup (False: `plain_setup`, a model refusion did not prepare)."""
+
+    def replace(self, **changes) -> ModelSetup:
+        return replace(self, **changes)
+
+    def describe(self) -> str:
+        """One line for a stats footer or a log: kernels, table, promise."""
+        table = f"draft table {len(self.draft_table.followers)} runs" if self.draft_table else "no draft table"
+        promise = "row-exact" if self.row_exact else "rows may round differently by width"
+        return f"linear {self.kernels.linear}, attention {self.kernels.attention}, {table}, {promise}"
+
+
+def attach_setup(model, setup: ModelSetup) -> ModelSetup:
+    """Make `setup` the one `setup_of(model)` returns (the one place a setup is attached); returns it."""
+    setattr(model, _ATTRIBUTE, setup)
+    return setup
+
+
+def setup_of(model) -> ModelSetup:
+    """The setup `prepare` attached to `model`, else `plain_setup(model)`."""
+    setup = getattr(model, _ATTRIBUTE, None)
+    return setup if isinstance(setup, ModelSetup) else plain_setup(model)
+
+
+def plain_setup(model) -> ModelSetup:
+    """The setup of a model refusion did not prepare: tokens from its configs, no draft table, its kernels as they
+    are (read off its modules), and the promise those kernels give."""
+    linear = _linear_kernel_of(model)
+    attention = _attention_of(model)
+    return ModelSetup(special_tokens=resolve_special_tokens(model),
+                      kernels=Kernels(linear, attention, "not prepared by refusion: the kernels as the model was "
+                                                         "built (refusion.prepare(model, tokenizer) chooses them)"),
+                      adapter_gate=_adapter_gate_of(model), row_exact=_is_row_exact(model, linear, attention),
+                      prepared=False)
+
+
+def prepare(model, tokenizer=None, *, directory: str | Path | None = None, linear: str = "auto") -> ModelSetup:
+    """Choose the kernels of a loaded model, resolve its special tokens, find its draft table, and attach the
+    resulting `ModelSetup` (what `refusion.load` does after loading; call it on a model loaded another way).
+
+    Args:
+        model: a transformers causal LM, on the device and in the dtype it will decode in.
+        tokenizer: its tokenizer (EOS and mask tokens are also read from it); None: the configs only.
+        directory: where the model's files are; a `draft_table.safetensors` there becomes the setup's table.
+        linear: "auto" (packed bf16 products on an AMX CPU, else weight-major few-token products where the
+            probe measures them faster, else plain), or "plain" / "packed" / "narrow" to pin the choice.
+    """
+    if linear not in LINEAR_KERNELS:
+        raise ValueError(f"linear={linear!r} is invalid: must be one of {', '.join(LINEAR_KERNELS)}")
+    if getattr(model, _ATTRIBUTE, None) is not None:
+        raise ValueError("prepare: this model was already prepared (its setup is refusion.setup_of(model)); "
+                         "load it again to choose other kernels")
+    table_path = Path(directory) / TABLE_FILE if directory is not None else None
+    table = DraftTable.load(table_path) if table_path is not None and table_path.is_file() else None
+    linear_kernel, reason = choose_linear_kernel(model, linear)
+    attention = _attention_of(model)
+    tokens = resolve_special_tokens(model, tokenizer)
+    if tokens.eos_token_ids:  # transformers' own `generate` (and a saved copy) stops where refusion does
+        eos = tokens.eos_token_ids
+        model.generation_config.eos_token_id = eos[0] if len(eos) == 1 else list(eos)
+    return attach_setup(model, ModelSetup(
+        special_tokens=tokens, kernels=Kernels(linear_kernel, attention, reason), draft_table=table,
+        adapter_gate=_adapter_gate_of(model), row_exact=_is_row_exact(model, linear_kernel, attention)))
+
+
+def choose_linear_kernel(model, linear: str) -> tuple[str, str]:
+    """Switch the model's plain linear layers to the kernel `linear` asks for ("auto": by measurement); returns
+    (the kernel, why)."""
+    from refusion.model.narrow import use_narrow_linears
+    from refusion.model.row_exact import use_packed_linears
+
+    if linear == "plain":
+        return "plain", "pinned by the caller"
+    if linear in ("auto", "packed"):
+        if use_packed_linears(model):
+            return "packed", ("pinned by the caller" if linear == "packed" else
+                              "bf16 on a CPU with AMX: weights packed once, products row-exact")
+        if linear == "packed":
+            raise ValueError("linear='packed' needs bf16 weights on a CPU whose torch packs them for AMX "
+                             "(this model or this machine has neither); use 'auto', 'plain' or 'narrow'")
+    if use_narrow_linears(model, force=True if linear == "narrow" else None):
+        return "narrow", ("pinned by the caller" if linear == "narrow" else
+                          "the probe measured few-token products faster weight-major on this CPU")
+    return "plain", ("not a CPU model, its weights fit in the CPU cache, or weight-major products measured no "
+                     "faster here")
+
+
+def check_promise(model, setup: ModelSetup, strategy: str) -> None:
+    """Warn once per model when the exact mode decodes a model refusion did not prepare in a dtype where `prepare`
+    would have made it row-exact (so the weaker promise is never silent)."""
+    if setup.prepared or setup.row_exact or strategy != "speculative" or model in _warned:
+        return
+    from refusion.model.row_exact import packing_available
+
+    parameter = next(model.parameters(), None)
+    if parameter is None or parameter.device.type != "cpu" or parameter.dtype != torch.bfloat16:
+        return
+    if not packing_available():
+        return
+    _warned.add(model)
+    warnings.warn("this bf16 model was not prepared by refusion, so the exact mode's rows may round differently "
+                  "from AR decoding's (a near-tie can flip a token); refusion.prepare(model, tokenizer) makes its "
+                  "forwards row-exact (load it with attn_implementation='refusion_exact')", UserWarning, stacklevel=3)
+
+
+def _linear_kernel_of(model) -> str:
+    from refusion.model.narrow import NarrowLinear
+    from refusion.model.row_exact import PackedLinear
+
+    kinds = {type(m) for m in model.modules()}
+    return "packed" if PackedLinear in kinds else "narrow" if NarrowLinear in kinds else "plain"
+
+
+def _attention_of(model) -> str:
+    return getattr(model.config, "_attn_implementation", None) or "sdpa"
+
+
+def _adapter_gate_of(model) -> str:
+    from refusion.model.gated_lora import MaskGatedLoRA
+
+    return "mask" if any(isinstance(m, MaskGatedLoRA) for m in model.modules()) else "none"
+
+
+def _is_row_exact(model, linear: str, attention: str) -> bool:
+    from refusion.model.row_exact import EXACT_ATTENTION
+
+    return linear == "packed" and attention == EXACT_ATTENTION
