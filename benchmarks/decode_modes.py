@@ -21,12 +21,12 @@ import time
 import torch
 
 from refusion.config import DecodeConfig, preset
-from refusion.model.draft_table import DraftTable
-from refusion.model.setup import setup_of
 from refusion.decode.loop import generate
 from refusion.decode.outputs import add_counts
 from refusion.eval.tasks import load_examples
+from refusion.model.draft_table import DraftTable
 from refusion.model.loading import encode_prompts, load
+from refusion.model.setup import setup_of
 
 
 def modes(base: DecodeConfig, draft_lengths: list[int], draft_thresholds: list[float],

@@ -20,8 +20,8 @@ import itertools
 import json
 import time
 
-from refusion.model.draft_table import DEFAULT_ORDERS, DraftTable, answers_with_openings
 from refusion.decode.speculate import text_drafts
+from refusion.model.draft_table import DEFAULT_ORDERS, DraftTable, answers_with_openings
 from refusion.model.loading import load
 from refusion.train.data import load_training_data, response_eos_id
 

@@ -20,7 +20,6 @@ import torch
 
 from refusion.config import DecodeConfig
 from refusion.decode.cache import SlotCache
-from refusion.model.draft_table import DraftTable
 from refusion.decode.infill import (
     accepted_prefix,
     cut_after_first_eos,
@@ -40,6 +39,7 @@ from refusion.decode.speculate import (
     draft_tokens_from_masks,
     text_drafts,
 )
+from refusion.model.draft_table import DraftTable
 
 
 @dataclass

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from refusion.model.draft_table import DraftTable
 from refusion.decode.infill import accepted_prefix
 from refusion.decode.plan import greedy
+from refusion.model.draft_table import DraftTable
 
 
 @dataclass(frozen=True)
