@@ -1,6 +1,6 @@
 """Infill step (docs/DECODING.md, paper §3.2-3.4): verify drafts autoregressively, fast accept, parallel completion.
 
-Pure functions on small tensors; the decoding program (`program.py`) strings them together.
+Pure functions on small tensors; the plan-and-infill program (`programs/plan_and_infill.py`) strings them together.
 """
 
 from __future__ import annotations

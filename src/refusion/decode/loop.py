@@ -1,6 +1,6 @@
 """The batching loop and `generate`: the only loop that drives the model.
 
-Every live sequence runs its own decoding program (`program.py`); each step gathers the forward each
+Every live sequence runs its own decoding program (`programs/`); each step gathers the forward each
 program asks for, runs them as one batched forward over the shared `SlotCache`, and hands every program
 its logits. Sequences may be at different phases of a round; a finished sequence leaves the batch and
 costs nothing more. New sequences can join between steps (continuous batching for the server).
@@ -12,14 +12,25 @@ import inspect
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass
 
 import torch
 
 from refusion.config import DecodeConfig
 from refusion.decode.cache import PADDING, SlotCache, attention_mask_dtype, attention_windows, cache_keyword
 from refusion.decode.outputs import BatchStats, GenerationOutput, GenerationStats, RoundTrace
-from refusion.decode.program import Forward, Sequence
+from refusion.decode.programs import start_program
+from refusion.decode.sequence import Forward, Program, Sequence
 from refusion.model.setup import ModelSetup, check_promise, setup_of
+
+
+@dataclass
+class Running:
+    """A live sequence, its program, and the forward the program asked for."""
+
+    seq: Sequence
+    program: Program
+    request: Forward
 
 
 class Decoder:
@@ -34,7 +45,7 @@ class Decoder:
         text_config = model.config.get_text_config()
         self.cache = SlotCache(text_config.num_hidden_layers, self.device, capacity, mask_dtype,
                                attention_windows(text_config))
-        self.live: dict[int, tuple[Sequence, Forward]] = {}
+        self.live: dict[int, Running] = {}
         self.stats = BatchStats()
         self._next_id = 0
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -54,27 +65,30 @@ class Decoder:
                        cache=self.cache, device=self.device, generator=generator, trace=trace, on_round=on_round,
                        draft_table=self.setup.draft_table)
         self._next_id += 1
-        self.live[seq.id] = (seq, next(seq.program))
+        program = start_program(seq)
+        self.live[seq.id] = Running(seq, program, next(program))
         return seq
 
     def cancel(self, seq: Sequence) -> None:
         """Stop decoding a sequence (e.g. its client went away) and free its row."""
-        if self.live.pop(seq.id, None) is not None:
-            seq.program.close()
+        running = self.live.pop(seq.id, None)
+        if running is not None:
+            running.program.close()
             self.cache.remove_sequences([seq.id])
 
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """Run one batched forward for every live sequence; return the sequences that finished."""
         order = sorted(self.live, key=self.cache.row_of.get)
-        requests = [self.live[i][1] for i in order]
+        requests = [self.live[i].request for i in order]
         logits = self._forward(requests)
         finished = []
         for seq_id, seq_logits in zip(order, logits):
-            seq = self.live[seq_id][0]
+            running = self.live[seq_id]
+            seq = running.seq
             seq.stats.forwards += 1
             try:
-                self.live[seq_id] = (seq, seq.program.send(seq_logits))
+                running.request = running.program.send(seq_logits)
             except StopIteration:
                 finished.append(seq)
         for seq in finished:

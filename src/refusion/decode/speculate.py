@@ -1,6 +1,6 @@
 """The exact mode's draft and acceptance steps: masked drafts, accepted by the model's own AR predictions.
 
-Pure functions on small tensors; `program.speculative_program` strings them together. Greedy decoding
+Pure functions on small tensors; `programs/speculative.py` strings them together. Greedy decoding
 accepts a draft while it equals the AR argmax; at temperature > 0 the speculative-sampling rule (accept x
 with probability min(1, p(x) / q(x)), else resample from the normalised max(0, p - q)) makes the output
 follow AR sampling's distribution exactly, whatever the drafts are.

@@ -9,6 +9,9 @@ ships one. `refusion.load(adapter_dir)` loads the adapter's base, adds `<|mask|>
   the masks after the context, no clean token ever reads a mask, so the clean tokens' logits, the AR path
   and every verification, are the base model's own; only the drafts come from the adapter. It cannot be
   merged: `MaskGatedLoRA` wraps each adapted linear layer and adds the low-rank update at the mask rows.
+
+Reading and writing adapter directories needs no torch (`refusion --help` and config validation import this
+module); attaching one imports it inside the functions that do.
 """
 
 from __future__ import annotations
@@ -18,11 +21,6 @@ import math
 import os
 import warnings
 from pathlib import Path
-
-import torch
-from torch import nn
-
-from refusion.model.gated_lora import MaskGatedLoRA, MaskRows
 
 ADAPTER_CONFIG = "adapter_config.json"
 GATE_CONFIG = "refusion_adapter.json"
@@ -68,10 +66,13 @@ def write_adapter_gate(adapter_dir: str | Path, gate: str) -> None:
         (Path(adapter_dir) / GATE_CONFIG).write_text(json.dumps({"lora_gate": gate}, indent=2) + "\n")
 
 
-def gate_lora_at_masks(peft_model, mask_token_id: int) -> MaskRows:
+def gate_lora_at_masks(peft_model, mask_token_id: int):
     """Training: make every LoRA layer of a peft model act only at mask positions (its low-rank update is
-    multiplied by 0 at the clean positions), the same function that `MaskGatedLoRA` computes at inference."""
+    multiplied by 0 at the clean positions), the same function that `MaskGatedLoRA` computes at inference.
+    Returns the `MaskRows` the gates read."""
     from peft.tuners.lora import LoraLayer
+
+    from refusion.model.gated_lora import MaskRows
 
     mask_rows = MaskRows(peft_model, mask_token_id)
 
@@ -92,8 +93,11 @@ def gate_lora_at_masks(peft_model, mask_token_id: int) -> MaskRows:
 def attach_gated_adapter(adapter_dir: str | Path, model, tokenizer):
     """Add <|mask|> to the base, set its embedding row from the adapter and wrap each adapted linear layer in
     `MaskGatedLoRA`; the logit of <|mask|> itself is never predicted (-inf), as in the base's vocabulary."""
+    import torch
     from safetensors.torch import load_file
+    from torch import nn
 
+    from refusion.model.gated_lora import MaskGatedLoRA, MaskRows
     from refusion.model.prepare import add_mask_token
 
     mask_id = add_mask_token(model, tokenizer)

@@ -27,8 +27,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 TABLE_FILE = "draft_table.safetensors"
 DEFAULT_ORDERS = (4, 3, 2, 1)
 """Lengths of the token runs a table keys on unless told otherwise."""
@@ -90,6 +88,7 @@ class DraftTable:
         return out
 
     def save(self, path: str | Path) -> None:
+        import torch
         from safetensors.torch import save_file
 
         tensors = {}

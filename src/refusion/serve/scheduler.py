@@ -28,7 +28,7 @@ import torch
 from refusion.config import DecodeConfig
 
 if TYPE_CHECKING:
-    from refusion.decode.program import Sequence
+    from refusion.decode.sequence import Sequence
 
 log = logging.getLogger("refusion.serve")
 

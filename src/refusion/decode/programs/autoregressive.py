@@ -1,0 +1,31 @@
+"""The autoregressive baseline: one token per forward on the same engine (greedy, or sampled at temperature > 0)."""
+
+from __future__ import annotations
+
+import torch
+
+from refusion.decode.outputs import RoundTrace, SlotEvent
+from refusion.decode.plan import next_token
+from refusion.decode.sequence import Forward, Program, Sequence, prefill
+
+
+def autoregressive_program(seq: Sequence) -> Program:
+    """Prefill the prompt, then one forward per token until EOS or max_new_tokens (the last token needs none)."""
+    cfg, device = seq.cfg, seq.device
+    prompt_length = seq.prompt_length
+    logits = yield prefill(seq, torch.empty(0, dtype=torch.long, device=device), logits_from=prompt_length - 1)
+    seq.commit(seq.prompt, torch.arange(prompt_length, device=device))
+    for i in range(cfg.max_new_tokens):
+        token = next_token(logits[-1], cfg.temperature, seq.generator)
+        position = torch.tensor([prompt_length + i], device=device)
+        eos = bool(seq.is_eos(token))
+        last = eos or i == cfg.max_new_tokens - 1
+        if not last:
+            logits = yield Forward(token, position, torch.zeros_like(position))
+        seq.commit(token, position, cached=not last)
+        seq.record(RoundTrace(index=seq.stats.rounds, block=0, masked_slots=[], planned=[],
+                              committed=[SlotEvent(int(position), token.tolist())], how="autoregressive",
+                              forwards=1, finished=eos, phase_forwards={"prefill" if i == 0 else "decode": 1}))
+        if last:
+            seq.finish("eos" if eos else "length")
+            return

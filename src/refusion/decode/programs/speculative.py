@@ -1,0 +1,150 @@
+"""The exact mode (`strategy="speculative"`): drafts verified by the model's own AR predictions, so the output is AR
+decoding's, token for token, while a forward can commit several tokens (docs/DECODING.md, "The exact mode").
+
+Every forward carries the next token (already decided by the previous forward's AR logits) and the drafts after
+it (the chain), followed by chains of masks that draft the tokens after the next one. `DraftingLayout` builds that
+forward and reads its logits back, so the layout lives in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from refusion.decode.infill import cut_after_first_eos
+from refusion.decode.outputs import RoundTrace, SlotEvent
+from refusion.decode.plan import next_token
+from refusion.decode.sequence import Forward, Program, Sequence, masks, prefill, zeros
+from refusion.decode.speculate import (
+    Drafts,
+    accept_drafts,
+    confident_drafts,
+    copied_drafts,
+    draft_tokens_from_masks,
+    text_drafts,
+)
+
+
+@dataclass(frozen=True)
+class DraftingLayout:
+    """Where the logits of one exact-mode forward are: first the chain's (the next token, then one per draft),
+    then, for each acceptance length the forward drafts for, a chain of masks whose first mask stands for the token
+    AR decoding gives after that many accepted drafts (it drafts nothing) and whose other masks draft the tokens
+    after it."""
+
+    chain_length: int
+    """Logits rows of the chain: the next token plus the drafts (1 in the prefill: the prompt's last token)."""
+    branches: tuple[tuple[int, int], ...] = ()
+    """(acceptance length, masks) of each chain of masks, in forward order."""
+
+    @staticmethod
+    def prefill(seq: Sequence, mask_positions: torch.Tensor) -> tuple[Forward, DraftingLayout]:
+        """The first forward: the prompt, then masks drafting the tokens after the first response token (one
+        group; logits from the prompt's last token on)."""
+        request = prefill(seq, mask_positions, logits_from=seq.prompt_length - 1)
+        return request, DraftingLayout(1, ((0, mask_positions.numel()),))
+
+    @staticmethod
+    def verify(seq: Sequence, chain: torch.Tensor, position: int,
+               branches: list[tuple[int, torch.Tensor]]) -> tuple[Forward, DraftingLayout]:
+        """A verify forward: `chain` (the next token and its drafts) at `position` onwards as group 0; each branch
+        (acceptance length, mask positions) as group n - length + 1, reading the chain up to its length-th draft."""
+        n = chain.numel() - 1
+        request = Forward(chain, torch.arange(position, position + n + 1, device=seq.device), zeros(chain))
+        for length, mask_positions in branches:
+            request = request.with_branch(masks(seq, mask_positions), mask_positions, n - length + 1, position + length)
+        return request, DraftingLayout(n + 1, tuple((length, m.numel()) for length, m in branches))
+
+    def chain_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """[chain_length, V]: row i is AR decoding's prediction after the chain's i-th token."""
+        return logits[: self.chain_length]
+
+    def draft_logits(self, logits: torch.Tensor, accepted: int) -> torch.Tensor | None:
+        """[d, V] the logits of the masks that draft after `accepted` accepted drafts; None when the forward drafted
+        for no such length."""
+        offset = self.chain_length
+        for length, count in self.branches:
+            if length == accepted:
+                return logits[offset + 1: offset + count]
+            offset += count
+        return None
+
+
+def speculative_program(seq: Sequence) -> Program:
+    """Masked drafts verified by the model's own AR predictions: the output is AR decoding's, token for token.
+
+    The drafts are accepted while they agree with the AR predictions (greedy), or by the speculative-sampling rule
+    (temperature > 0); the AR prediction after the last accepted draft is the next forward's first token, so every
+    forward commits at least one token. A single chain of masks (after the drafts) drafts only when every draft
+    is accepted; `cfg.predraft` adds one chain of masks per possible acceptance length. With
+    `cfg.lookup_length`, a round whose last tokens occurred earlier in the text verifies the tokens that followed
+    them instead (prompt lookup), without masks; with `cfg.table_length`, a round with nothing to copy verifies
+    what the model's draft table says usually follows, also without masks.
+    """
+    cfg, device = seq.cfg, seq.device
+    prompt_length, draft_length = seq.prompt_length, cfg.draft_length
+    end = prompt_length + cfg.max_new_tokens  # positions of the response are < end
+
+    def draft_masks(after: int) -> torch.Tensor:
+        """Positions of the masks that draft the tokens after position `after` + 1 (the first mask stands
+        for the token the AR logits give at `after` + 1 and drafts nothing)."""
+        stop = max(after + 1, min(after + 2 + draft_length, end)) if draft_length else after + 1  # d 0: no masks
+        return torch.arange(after + 1, stop, device=device)
+
+    def drafts_from(mask_logits: torch.Tensor | None) -> Drafts:
+        if mask_logits is None:
+            return Drafts.none(device)
+        drafts = draft_tokens_from_masks(mask_logits, cfg.temperature, seq.generator)
+        return confident_drafts(drafts, mask_logits, cfg.draft_threshold)
+
+    request, layout = DraftingLayout.prefill(seq, draft_masks(prompt_length - 1))
+    logits = yield request
+    seq.commit(seq.prompt, torch.arange(prompt_length, device=device))
+    token = next_token(layout.chain_logits(logits)[0], cfg.temperature, seq.generator)  # the token at `position`
+    drafts = drafts_from(layout.draft_logits(logits, 0))
+    position, phases = prompt_length, {"prefill": 1}  # the first round also accounts for the prefill
+    text = seq.prompt.tolist()  # prompt and committed response: what prompt lookup searches
+    while True:
+        eos = bool(seq.is_eos(token))
+        if eos or position == end - 1:  # the last token needs no forward
+            seq.commit(token, torch.tensor([position], device=device), cached=False)
+            seq.record(RoundTrace(index=seq.stats.rounds, block=0, masked_slots=[], planned=[],
+                                  committed=[SlotEvent(position, token.tolist())], how="speculative",
+                                  forwards=sum(phases.values()), finished=eos, phase_forwards=phases))
+            seq.finish("eos" if eos else "length")
+            return
+        phases["verify"] = phases.get("verify", 0) + 1
+        copied = text_drafts(text + token.tolist(), cfg.lookup_length, cfg.table_length, seq.draft_table)
+        if copied:
+            drafts = copied_drafts(copied, logits.shape[-1], cfg.temperature, device)
+        drafts = drafts[: end - 1 - position]
+        n = drafts.tokens.numel()
+        chain = torch.cat([token, drafts.tokens])
+        # a forward that verifies a copy carries no masks: the copy usually goes on, and without mask rows the
+        # forward is narrower and skips a mask-gated adapter entirely
+        lengths = [] if copied else range(n, -1, -1) if cfg.predraft else [n]
+        branches = [(length, m) for length in lengths if (m := draft_masks(position + length)).numel() > 1]
+        request, layout = DraftingLayout.verify(seq, chain, position, branches)
+        logits = yield request
+
+        accepted, following = accept_drafts(drafts, layout.chain_logits(logits), cfg.temperature, seq.generator)
+        tokens = chain[: accepted + 1]
+        eos = seq.is_eos(tokens)
+        if bool(eos.any()):
+            tokens = tokens[cut_after_first_eos(eos)]
+        seq.commit(tokens, request.positions[: tokens.numel()], group=0)  # pre-drafts may share positions
+        text += tokens.tolist()
+        done = bool(eos.any())
+        seq.record(RoundTrace(index=seq.stats.rounds, block=0, masked_slots=[],
+                              planned=[SlotEvent(position + 1, drafts.tokens.tolist())] if n else [],
+                              committed=[SlotEvent(position, tokens.tolist())], how="speculative",
+                              forwards=sum(phases.values()), finished=done, phase_forwards=phases, drafted=n,
+                              accepted=min(accepted, tokens.numel() - 1)))
+        phases = {}
+        position += accepted + 1
+        if done or position == end:
+            seq.finish("eos" if done else "length")
+            return
+        token = following
+        drafts = drafts_from(layout.draft_logits(logits, accepted))

@@ -1,0 +1,172 @@
+"""One sequence's decoding state (`Sequence`), the forward it asks for (`Forward`), and the steps every program
+shares.
+
+A program (`refusion.decode.programs`) is a generator. Each time it needs the model it yields a `Forward` (its new
+tokens, their position ids and groups) and receives the logits of those tokens; the batching loop (`loop.py`) runs
+the forwards of every live sequence of a batch together. Between forwards a program commits, retains or discards
+its pending KV entries through `Sequence`, which owns its row of the `SlotCache`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator
+from dataclasses import dataclass
+
+import torch
+
+from refusion.config import DecodeConfig
+from refusion.decode.cache import SlotCache
+from refusion.decode.infill import cut_after_first_eos
+from refusion.decode.outputs import RoundTrace, SequenceStats, SlotEvent
+from refusion.model.draft_table import DraftTable
+
+
+@dataclass
+class Forward:
+    """One sequence's share of a batched forward."""
+
+    tokens: torch.Tensor
+    """[T] input ids."""
+    positions: torch.Tensor
+    """[T] position ids (true text positions)."""
+    groups: torch.Tensor
+    """[T] group of each token: a token sees the context, and earlier tokens of its own group."""
+    logits_from: int = 0
+    """Logits are returned for tokens[logits_from:]."""
+    lower_upto: torch.Tensor | None = None
+    """[T] or None: a token also sees the pending entries of every lower group at positions <= this (-1: none)."""
+    may_end_round: bool = False
+    """Plan and infill: the round may end with this forward (what the fused plan rides on: `with_next_plan`)."""
+
+    def with_branch(self, tokens: torch.Tensor, positions: torch.Tensor, group: int, upto: int) -> Forward:
+        """This forward plus `tokens` appended as group `group`, reading lower groups' entries up to `upto`."""
+        lower = self.lower_upto if self.lower_upto is not None else torch.full_like(self.positions, -1)
+        return Forward(torch.cat([self.tokens, tokens]), torch.cat([self.positions, positions]),
+                       torch.cat([self.groups, torch.full_like(tokens, group)]), self.logits_from,
+                       torch.cat([lower, torch.full_like(tokens, upto)]), self.may_end_round)
+
+    @property
+    def logits_count(self) -> int:
+        """How many logits rows the forward returns."""
+        return self.tokens.numel() - self.logits_from
+
+
+Program = Generator[Forward, torch.Tensor, None]
+
+
+class Sequence:
+    """State of one sequence: prompt, committed tokens, settings, statistics and trace.
+
+    Programs change it only through its verbs: `commit`, `retain`, `discard` (the sequence's row of the
+    `SlotCache`), `record` (a finished round) and `finish` (why it ended)."""
+
+    def __init__(self, seq_id: int, prompt: list[int], cfg: DecodeConfig, *, mask_token_id: int | None,
+                 eos_token_ids: list[int], cache: SlotCache, device: torch.device,
+                 generator: torch.Generator | None = None, trace: bool = False, on_round=None,
+                 draft_table: DraftTable | None = None):
+        self.id, self.cfg, self.cache, self.device = seq_id, cfg, cache, device
+        self.draft_table = draft_table  # the model's n-gram drafts (exact mode, cfg.table_length), or None
+        self.prompt = torch.tensor(prompt, dtype=torch.long, device=device)
+        self.mask_token_id = mask_token_id
+        self.eos_ids = torch.tensor(eos_token_ids, dtype=torch.long, device=device)
+        self.generator = generator
+        self.committed_tokens: list[torch.Tensor] = []
+        self.committed_positions: list[torch.Tensor] = []
+        self.stats = SequenceStats()
+        self.rounds: list[RoundTrace] | None = [] if trace else None
+        self.on_round = on_round
+        self.started = time.perf_counter()
+        self.finished = False
+        cache.add_sequence(seq_id)
+
+    @property
+    def prompt_length(self) -> int:
+        return self.prompt.numel()
+
+    def is_eos(self, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.isin(tokens, self.eos_ids)
+
+    def commit(self, tokens: torch.Tensor, positions: torch.Tensor, *, cached: bool = True,
+               group: int | None = None) -> None:
+        """Append tokens to the context; their pending KV entries (of `group`, where several groups hold a
+        position) become context (KV reuse). `cached=False` for tokens that end the sequence before any
+        forward saw them (they have no KV)."""
+        if cached:
+            self.cache.commit(self.id, positions, group)
+        self.committed_tokens.append(tokens)
+        self.committed_positions.append(positions)
+
+    def retain(self, positions: torch.Tensor) -> None:
+        """Keep the pending KV entries at `positions` pending; drop every other pending entry."""
+        self.cache.retain(self.id, positions)
+
+    def discard(self) -> None:
+        """Drop every pending KV entry: the cache holds exactly the context again."""
+        self.cache.discard(self.id)
+
+    def record(self, rnd: RoundTrace) -> None:
+        self.stats.add_round(rnd)
+        if self.rounds is not None:
+            self.rounds.append(rnd)
+        if self.on_round is not None:
+            self.on_round(self, rnd)
+
+    def finish(self, reason: str) -> None:
+        """The program is done: "eos" (it committed an end-of-sequence token) or "length"."""
+        self.stats.finish_reason = reason
+        self.stats.tokens = len(self.response())
+
+    def _committed_in_order(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, positions) of the context sorted by position."""
+        tokens, positions = torch.cat(self.committed_tokens), torch.cat(self.committed_positions)
+        order = torch.argsort(positions)
+        return tokens[order], positions[order]
+
+    def _as_response(self, tokens: torch.Tensor) -> list[int]:
+        """Response tokens cut after the first EOS and at max_new_tokens."""
+        return tokens[cut_after_first_eos(self.is_eos(tokens))][: self.cfg.max_new_tokens].tolist()
+
+    def response(self) -> list[int]:
+        """Committed response tokens in position order, up to and including the first EOS."""
+        if not self.committed_tokens:
+            return []
+        tokens, positions = self._committed_in_order()
+        return self._as_response(tokens[positions >= self.prompt_length])
+
+    def contiguous_response(self) -> list[int]:
+        """The response prefix whose every position is committed (what a stream may show)."""
+        if not self.committed_tokens:
+            return []
+        tokens, positions = self._committed_in_order()
+        present = torch.zeros(self.prompt_length + self.cfg.canvas_length + 1, dtype=torch.bool, device=self.device)
+        present[positions] = True
+        missing = (~present[self.prompt_length:]).nonzero()
+        end = self.prompt_length + (int(missing[0]) if missing.numel() else self.cfg.canvas_length)
+        return self._as_response(tokens[(positions >= self.prompt_length) & (positions < end)])
+
+
+def slot_events(starts: torch.Tensor, tokens: list[torch.Tensor], scores=None) -> list[SlotEvent]:
+    """Trace records of slots starting at `starts` holding `tokens` (with their plan `scores`, when planned)."""
+    return [SlotEvent(int(s), t.tolist(), None if scores is None else float(scores[i]))
+            for i, (s, t) in enumerate(zip(starts, tokens))]
+
+
+def masks(seq: Sequence, positions: torch.Tensor) -> torch.Tensor:
+    """Mask tokens for `positions`."""
+    return torch.full_like(positions, seq.mask_token_id)
+
+
+def zeros(tokens: torch.Tensor) -> torch.Tensor:
+    """Group 0 for every token."""
+    return torch.zeros_like(tokens)
+
+
+def prefill(seq: Sequence, mask_positions: torch.Tensor, logits_from: int) -> Forward:
+    """The first forward of every mode: the prompt, then masks at `mask_positions` (none for AR), one group;
+    logits from `logits_from` on."""
+    prompt_positions = torch.arange(seq.prompt_length, device=seq.device)
+    if not mask_positions.numel():
+        return Forward(seq.prompt, prompt_positions, zeros(seq.prompt), logits_from)
+    tokens = torch.cat([seq.prompt, masks(seq, mask_positions)])
+    return Forward(tokens, torch.cat([prompt_positions, mask_positions]), zeros(tokens), logits_from)
