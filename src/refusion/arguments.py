@@ -104,4 +104,4 @@ def decode_config_from_args(args: argparse.Namespace) -> DecodeConfig:
     from refusion.model.embedded import default_decode_settings_or_none
 
     model_defaults = default_decode_settings_or_none() if getattr(args, "model", None) is None else None
-    return layered_config(model_defaults, getattr(args, "preset", None), decode_flag_values(args))
+    return layered_config(model_defaults, getattr(args, "preset", None), explicit=decode_flag_values(args))

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import os
 import sys
+import warnings
 
 # module path of each subcommand's `add_parser`, in the order `--help` lists them
 SUBCOMMANDS = [
@@ -65,9 +66,23 @@ def quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
+def one_line_warnings(command: str):
+    """A `warnings.showwarning` that prints refusion's own warnings (a setting the strategy ignores, a weaker
+    exactness promise) as one line naming the command, as errors are; other warnings as Python prints them."""
+    original = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if category.__module__.startswith("refusion") or "refusion" in str(filename):
+            print(f"refusion {command}: warning: {message}", file=sys.stderr)
+        else:
+            original(message, category, filename, lineno, file, line)
+    return show
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_libraries()
+    previous, warnings.showwarning = warnings.showwarning, one_line_warnings(args.command)
     try:
         return args.func(args) or 0
     except (ValueError, FileNotFoundError) as e:
@@ -82,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"refusion {args.command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        warnings.showwarning = previous
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ import ast
 import dataclasses
 import functools
 import inspect
+import math
 import types
 import typing
+import warnings
 from dataclasses import dataclass
 
 STRATEGIES = ("refusion", "speculative", "autoregressive")
@@ -19,6 +21,17 @@ KV_CACHE_MODES = ("reuse", "recompute")
 MODEL_FIELDS = ("mask_token_id", "eos_token_id")
 """DecodeConfig fields that describe the model rather than one request: the CLI and Python set them, the server
 takes them from the model it serves."""
+STRATEGY_FIELDS: dict[str, tuple[str, ...]] = {
+    "refusion": ("slot_size", "block_size", "slot_threshold", "token_threshold", "fused_plan", "kv_cache"),
+    "speculative": ("draft_length", "draft_threshold", "lookup_length", "table_length", "predraft"),
+}
+"""DecodeConfig fields that one strategy alone reads; every other field is read by every strategy."""
+MIN_TEMPERATURE = 1e-4
+"""The smallest sampling temperature (0 is greedy): logits divided by less can overflow to inf."""
+
+
+class IgnoredSetting(UserWarning):
+    """A DecodeConfig field was set that the chosen strategy never reads (its value changes nothing)."""
 
 
 class ConfigError(ValueError):
@@ -109,33 +122,44 @@ class DecodeConfig:
     """Token id(s) that end a response; None takes the model's generation config / config EOS."""
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
-                 "max_new_tokens", self.max_new_tokens, "must be an integer >= 1")
-        _require(isinstance(self.slot_size, int) and self.slot_size >= 1,
-                 "slot_size", self.slot_size, "must be an integer >= 1")
-        _require(isinstance(self.block_size, int) and self.block_size >= 1 and self.block_size % self.slot_size == 0,
+        for name in ("max_new_tokens", "slot_size"):
+            _require(_is_int(getattr(self, name)) and getattr(self, name) >= 1, name, getattr(self, name),
+                     "must be an integer >= 1")
+        _require(_is_int(self.block_size) and self.block_size >= 1 and self.block_size % self.slot_size == 0,
                  "block_size", self.block_size, f"must be a positive multiple of slot_size={self.slot_size}")
         for name in ("slot_threshold", "token_threshold", "draft_threshold"):
             value = getattr(self, name)
-            _require(isinstance(value, (int, float)) and 0.0 <= value <= 1.0, name, value, "must be in [0, 1]")
-        _require(isinstance(self.temperature, (int, float)) and self.temperature >= 0.0,
-                 "temperature", self.temperature, "must be >= 0")
-        _require(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "must be an integer or None")
-        _require(self.strategy in STRATEGIES, "strategy", self.strategy, f"must be one of {', '.join(STRATEGIES)}")
-        _require(isinstance(self.draft_length, int) and self.draft_length >= 0,
-                 "draft_length", self.draft_length, "must be an integer >= 0")
-        for name in ("lookup_length", "table_length"):
-            _require(isinstance(getattr(self, name), int) and getattr(self, name) >= 0,
+            _require(_is_number(value) and 0.0 <= value <= 1.0, name, value, "must be a number in [0, 1]")
+        _require(_is_number(self.temperature) and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE),
+                 "temperature", self.temperature, f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}")
+        _require(self.seed is None or _is_int(self.seed), "seed", self.seed, "must be an integer or None")
+        _require(isinstance(self.strategy, str) and self.strategy in STRATEGIES, "strategy", self.strategy,
+                 f"must be one of {', '.join(STRATEGIES)}")
+        for name in ("draft_length", "lookup_length", "table_length"):
+            _require(_is_int(getattr(self, name)) and getattr(self, name) >= 0,
                      name, getattr(self, name), "must be an integer >= 0")
         for name in ("predraft", "fused_plan"):
             _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be true or false")
-        _require(self.kv_cache in KV_CACHE_MODES, "kv_cache", self.kv_cache,
+        _require(isinstance(self.kv_cache, str) and self.kv_cache in KV_CACHE_MODES, "kv_cache", self.kv_cache,
                  f"must be one of {', '.join(KV_CACHE_MODES)}")
         _require(self.mask_token_id is None or _is_id(self.mask_token_id),
                  "mask_token_id", self.mask_token_id, "must be a token id (an integer >= 0) or None")
         eos = self.eos_token_id
         _require(eos is None or _is_id(eos) or (isinstance(eos, (list, tuple)) and all(map(_is_id, eos))),
                  "eos_token_id", eos, "must be a token id, a list of token ids, or None")
+        for name in self.ignored_fields():
+            warnings.warn(IgnoredSetting(ignored_message(name, getattr(self, name), self.strategy)), stacklevel=3)
+
+    def ignored_fields(self) -> list[str]:
+        """Fields set (to other than their default) that this config's strategy never reads."""
+        return [name for owner, names in STRATEGY_FIELDS.items() if owner != self.strategy for name in names
+                if getattr(self, name) != _DEFAULTS[name]]
+
+    def for_strategy(self, strategy: str) -> DecodeConfig:
+        """This config with another strategy, the fields the new strategy ignores back at their defaults."""
+        reset = {name: _DEFAULTS[name] for owner, names in STRATEGY_FIELDS.items() if owner != strategy
+                 for name in names}
+        return dataclasses.replace(self, strategy=strategy, **reset)
 
     @property
     def canvas_length(self) -> int:
@@ -149,15 +173,50 @@ class DecodeConfig:
         (with 0 it drafts from the text and the draft table only, and runs on any model)."""
         return self.strategy == "refusion" or (self.strategy == "speculative" and self.draft_length > 0)
 
+    @staticmethod
+    def from_preset(name: str, **settings) -> DecodeConfig:
+        """The config of a named preset with `settings` set on top (a preset may hold settings of several
+        strategies: those the resulting strategy ignores are dropped, unless given here)."""
+        return layered_config(name, explicit=settings)
+
     def replace(self, **changes) -> DecodeConfig:
+        """This config with `changes` (unknown names are a ConfigError listing the settings)."""
+        check_names(changes)
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DecodeConfig)}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _is_id(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return _is_int(value) and value >= 0
+
+
+def check_names(settings: dict) -> None:
+    """A ConfigError for the first name in `settings` that is not a DecodeConfig field."""
+    for name, value in settings.items():
+        _require(name in _DEFAULTS, name, value, f"unknown setting; the settings are {', '.join(_DEFAULTS)}")
+
+
+def owner_of(name: str) -> str | None:
+    """The strategy that alone reads field `name`, or None when every strategy reads it."""
+    return next((owner for owner, names in STRATEGY_FIELDS.items() if name in names), None)
+
+
+def ignored_message(name: str, value, strategy: str) -> str:
+    """The one line that says a setting does nothing under `strategy`."""
+    return (f"{name}={value!r} is ignored by strategy={strategy!r}: only strategy={owner_of(name)!r} reads it")
 
 
 # Named decoding presets: the paper's per-task settings (docs/DECODING.md, "Settings"), the demo setting, and the embedded
@@ -185,30 +244,33 @@ PRESETS: dict[str, dict] = {
 
 
 def preset(name: str) -> dict:
-    """DecodeConfig keyword arguments of a named preset."""
+    """DecodeConfig keyword arguments of a named preset, as stored (with the settings of every strategy it tunes:
+    `DecodeConfig.from_preset(name)` builds its config)."""
     if name not in PRESETS:
         raise ValueError(f"preset={name!r} is unknown: choose one of {', '.join(sorted(PRESETS))}")
     return dict(PRESETS[name])
 
 
-def layered_settings(*layers: str | dict | None) -> dict:
+def layered_settings(*layers: str | dict | None, explicit: dict | None = None) -> dict:
     """DecodeConfig keyword arguments from layers applied in order, each overriding the ones before: a preset
-    name, or a dict of fields in which None means "not set". None layers are skipped; an unknown field is a
-    ConfigError. The one place where presets, model defaults and flags are merged."""
-    names = {f.name for f in dataclasses.fields(DecodeConfig)}
+    name, or a dict of fields in which None means "not set"; then `explicit`, what the user set. None layers are
+    skipped; an unknown field is a ConfigError. A field that the resulting strategy ignores is dropped when a layer
+    set it (a preset holds settings of several strategies) and kept when the user did, so that the DecodeConfig
+    warns about it. The one place where presets, model defaults and flags are merged."""
     settings: dict = {}
-    for layer in layers:
+    explicit = {name: value for name, value in (explicit or {}).items() if value is not None}
+    for layer in [*layers, explicit]:
         values = preset(layer) if isinstance(layer, str) else layer or {}
-        for name, value in values.items():
-            _require(name in names, name, value, f"unknown setting; the settings are {', '.join(names)}")
-            if value is not None:
-                settings[name] = value
-    return settings
+        check_names(values)
+        settings.update({name: value for name, value in values.items() if value is not None})
+    strategy = settings.get("strategy", _DEFAULTS["strategy"])
+    return {name: value for name, value in settings.items()
+            if name in explicit or owner_of(name) in (None, strategy)}
 
 
-def layered_config(*layers: str | dict | None) -> DecodeConfig:
-    """The DecodeConfig of `layered_settings(*layers)`."""
-    return DecodeConfig(**layered_settings(*layers))
+def layered_config(*layers: str | dict | None, explicit: dict | None = None) -> DecodeConfig:
+    """The DecodeConfig of `layered_settings(*layers, explicit=explicit)`."""
+    return DecodeConfig(**layered_settings(*layers, explicit=explicit))
 
 
 # ------------------------------------------------------------------------------------------------------------

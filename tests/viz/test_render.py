@@ -83,10 +83,12 @@ def test_terminal_summary_and_live_view(trace_doc):
     seq = SimpleNamespace(id=0, prompt_length=3, cfg=cfg)
     enc = tokenizer.convert_tokens_to_ids
     with LiveView(tokenizer, ["hey"], console=Console(file=buffer, width=100)) as view:
-        view(seq, RoundTrace(0, 0, [3, 7], [SlotEvent(3, enc(list("abcd")), 0.9), SlotEvent(7, enc(list("wxyz")), 0.8)],
-                             [SlotEvent(3, enc(list("abcd")))], "fast_accept", 2))
-        view(seq, RoundTrace(1, 0, [7], [SlotEvent(7, enc(list("efgh")), 0.7)], [SlotEvent(7, enc(list("efgh")))],
-                             "parallel_completion", 4, True))
+        view(seq, RoundTrace(index=0, block=0, masked_slots=[3, 7],
+                             planned=[SlotEvent(3, enc(list("abcd")), 0.9), SlotEvent(7, enc(list("wxyz")), 0.8)],
+                             committed=[SlotEvent(3, enc(list("abcd")))], how="fast_accept", forwards=2))
+        view(seq, RoundTrace(index=1, block=0, masked_slots=[7], planned=[SlotEvent(7, enc(list("efgh")), 0.7)],
+                             committed=[SlotEvent(7, enc(list("efgh")))], how="parallel_completion", forwards=4,
+                             finished=True))
         stats = refusion.SequenceStats(tokens=8, forwards=6, rounds=2, seconds=0.1, finish_reason="eos")
         view.finish(SimpleNamespace(stats=SimpleNamespace(per_sequence=[stats])))
     text = buffer.getvalue()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from refusion.config import DecodeConfig
+from refusion.config import DecodeConfig, layered_config
 from refusion.decode.cache import PADDING, SlotCache, attention_mask_dtype, attention_windows, cache_keyword
 from refusion.decode.outputs import BatchStats, GenerationOutput, GenerationStats, RoundTrace
 from refusion.decode.programs import start_program
@@ -133,6 +133,26 @@ class Decoder:
 
 
 # --------------------------------------------------------------------------------- generate
+def check_generate_arguments(model, cfg, trace, generator, setup, on_round) -> DecodeConfig:
+    """`generate`'s arguments other than the prompts, each checked for its type (a one-line ValueError naming the
+    argument); returns the DecodeConfig (the default one for None)."""
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise ValueError(f"model must be a transformers causal LM (refusion.load returns one), not "
+                         f"{type(model).__name__}")
+    if cfg is not None and not isinstance(cfg, DecodeConfig):
+        raise ValueError(f"cfg must be a refusion.DecodeConfig (or None), not {type(cfg).__name__}; "
+                         "pass single settings as keywords: generate(model, ids, max_new_tokens=64)")
+    if not isinstance(trace, bool):
+        raise ValueError(f"trace must be True or False, not {trace!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator or None, not {type(generator).__name__}")
+    if setup is not None and not isinstance(setup, ModelSetup):
+        raise ValueError(f"setup must be a refusion.ModelSetup or None, not {type(setup).__name__}")
+    if on_round is not None and not callable(on_round):
+        raise ValueError(f"on_round must be callable or None, not {type(on_round).__name__}")
+    return cfg or DecodeConfig()
+
+
 def normalize_prompts(input_ids, attention_mask=None) -> list[list[int]]:
     """A (B, P) tensor, a list of id lists (ragged batch) or one list of ids -> list of id lists.
 
@@ -228,9 +248,9 @@ def generate(model, input_ids, cfg: DecodeConfig | None = None, *, attention_mas
             transformers model its tokens resolved from its configs. `cfg.mask_token_id` and `cfg.eos_token_id`,
             when set, replace its mask and EOS ids.
     """
-    cfg = cfg or DecodeConfig()
-    if overrides:
-        cfg = cfg.replace(**overrides)
+    cfg = check_generate_arguments(model, cfg, trace, generator, setup, on_round)
+    if overrides:  # the overrides are what this call set: fields the resulting strategy ignores warn
+        cfg = layered_config(cfg.to_dict(), explicit=overrides)
     setup = setup or setup_of(model)
     check_promise(model, setup, cfg.strategy)
     tokens = setup.special_tokens.for_decoding(cfg)

@@ -46,9 +46,9 @@ class RoundAccounting:
         return sum(len(s.tokens) for s in self.committed)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RoundTrace(RoundAccounting):
-    """What one round of decoding did for one sequence (docs/DECODING.md, paper §3)."""
+    """What one round of decoding did for one sequence (docs/DECODING.md, paper §3). Built by keyword."""
 
     index: int
     """Round number, from 0."""

@@ -153,8 +153,8 @@ def run_bench(args: argparse.Namespace) -> int:
     strategies = ["refusion"] + ([] if args.no_baseline else ["autoregressive"])
     settings = settings_from_args(args, [args.task], strategies)
     _check(settings, configs=False)  # the swept fields are checked point by point
-    from refusion.eval.sweep import grid, sweep_base, validate_grid
-    validate_grid(grid(sweeps), sweep_base(settings, args.task, sweeps))
+    from refusion.eval.sweep import grid, validate_grid
+    validate_grid(settings, args.task, grid(sweeps))
     processes = Processes.detect()
     model, tokenizer = _load_model(args, processes)
     log = print if processes.is_main else (lambda *a, **k: None)

@@ -40,7 +40,7 @@ class ReFusionLM(TemplateLM):
         unknown = sorted(set(decode) - set(DECODE_FIELDS) - {"max_batch_size", "trust_remote_code"})
         if unknown:
             raise ValueError(f"unknown refusion model_args {unknown}: use {', '.join(DECODE_FIELDS)}")
-        self.decode_config = layered_config(preset, decode_settings(decode))
+        self.decode_config = layered_config(preset, explicit=decode_settings(decode))
         if model is None:
             from refusion.model.loading import load
             model, tokenizer = load(pretrained, dtype=dtype, device=_device(device))

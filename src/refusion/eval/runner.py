@@ -85,9 +85,10 @@ class EvalSettings:
             named_preset(self.preset)  # a ValueError naming the known presets
 
     def decode_config(self, task: str, strategy: str) -> DecodeConfig:
-        """Preset (the task's own unless `preset`), then max_new_tokens, then overrides, then the strategy."""
+        """Preset (the task's own unless `preset`), then max_new_tokens and the strategy, then the overrides (what
+        the user set: a field the strategy ignores warns; the preset's are dropped)."""
         return layered_config(self.preset or get_task(task).preset, {"max_new_tokens": self.max_new_tokens},
-                              self.overrides, {"strategy": strategy})
+                              {"strategy": strategy}, explicit=self.overrides)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import dataclasses
 import itertools
 from pathlib import Path
 
-from refusion.config import MODEL_FIELDS, DecodeConfig, field_types, is_scalar, layered_settings, parse_value
+from refusion.config import MODEL_FIELDS, DecodeConfig, field_types, is_scalar, parse_value
 
 SWEEPABLE = {f.name: field_types(DecodeConfig)[f.name] for f in dataclasses.fields(DecodeConfig)
              if f.name not in MODEL_FIELDS and is_scalar(field_types(DecodeConfig)[f.name])}
@@ -48,22 +48,17 @@ def grid(sweeps: dict[str, list]) -> list[dict]:
     return [dict(zip(names, values, strict=True)) for values in itertools.product(*(sweeps[n] for n in names))]
 
 
-def validate_grid(combos: list[dict], base: dict) -> list[DecodeConfig]:
-    """The DecodeConfig of each combination on top of `base`; a one-line error naming the first bad one."""
+def validate_grid(settings, task: str, combos: list[dict]) -> list[DecodeConfig]:
+    """The DecodeConfig each grid point decodes with (`EvalSettings.decode_config`: the task's preset, then the
+    point's strategy, then the overrides and the point); a one-line error naming the first bad point."""
     configs = []
     for combo in combos:
+        point = dataclasses.replace(settings, overrides={**settings.overrides, **combo})
         try:
-            configs.append(DecodeConfig(**{**base, **combo}))
+            configs.append(point.decode_config(task, combo.get("strategy", "refusion")))
         except ValueError as e:
             raise ValueError(f"sweep point {describe(combo)} is invalid: {e}") from None
     return configs
-
-
-def sweep_base(settings, task: str, sweeps: dict[str, list]) -> dict:
-    """DecodeConfig kwargs of the task's preset and the fixed overrides, without the swept fields."""
-    base = layered_settings(settings.preset or _task_preset(task), {"max_new_tokens": settings.max_new_tokens},
-                            settings.overrides)
-    return {k: v for k, v in base.items() if k not in sweeps}
 
 
 def _task_preset(task: str) -> str:
@@ -91,7 +86,7 @@ def run_sweep(model, tokenizer, task: str, sweeps: dict[str, list], settings, *,
     from refusion.eval.runner import evaluate
 
     combos = grid(sweeps)
-    validate_grid(combos, sweep_base(settings, task, sweeps))
+    validate_grid(settings, task, combos)
     rows, document = [], None
     for i, combo in enumerate(combos):
         strategy = combo.get("strategy", "refusion")
@@ -110,9 +105,8 @@ def run_sweep(model, tokenizer, task: str, sweeps: dict[str, list], settings, *,
         r["pareto"] = on_front
     ar = None
     if baseline:
-        # AR ignores slots and blocks, but its config must still be valid: take the first grid point's
-        point = dataclasses.replace(settings, tasks=[task], strategies=["autoregressive"],
-                                    overrides={**settings.overrides, **combos[0]})
+        # AR reads none of the swept plan-and-infill or exact-mode fields: the overrides alone
+        point = dataclasses.replace(settings, tasks=[task], strategies=["autoregressive"])
         document = evaluate(model, tokenizer, point, generate_fn=generate_fn, processes=processes)
         ar = {"strategy": "autoregressive", "point": {}, **_row_metrics(document["results"][task]["autoregressive"])}
         log(f"[AR] accuracy {100 * ar['accuracy']:.2f}  tokens/s {ar['tokens_per_second']:.2f}")
