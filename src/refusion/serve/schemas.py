@@ -1,7 +1,7 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic models).
 
-Requests follow the OpenAI names (`max_tokens`, `temperature`, `stop`, `seed`, `stream`, ...). Fields the
-decoder has no use for are accepted only at their neutral value (`n=1`, `top_p=1`, penalties 0, ...), so a
+Requests follow the OpenAI names (`max_tokens`, `temperature`, `stop`, `seed`, `stream`, `n`, ...). Fields the
+decoder has no use for are accepted only at their neutral value (`top_p=1`, penalties 0, ...), so a
 client never silently gets something other than what it asked for; any other unknown field is a 400,
 as with the OpenAI API. ReFusion settings go in the extension object `"refusion": {...}`.
 """
@@ -19,6 +19,8 @@ from refusion.config import MODEL_FIELDS, DecodeConfig, field_docs, field_types
 
 MAX_TOKENS_LIMIT = 1 << 20
 """Upper bound of `max_tokens` checked before tokenization; the model's context is checked after."""
+MAX_CHOICES = 16
+"""Upper bound of `n` (choices per prompt); each choice is its own sequence in the batch."""
 
 
 class _Strict(BaseModel):
@@ -65,7 +67,6 @@ class StreamOptions(_Strict):
 class _Neutral(_Strict):
     """Standard OpenAI fields the decoder does not implement: accepted only at their neutral value."""
 
-    n: int | None = Field(None, description="choices per prompt; only 1")
     top_p: float | None = Field(None, description="nucleus sampling; only 1 (the decoder samples the full softmax)")
     frequency_penalty: float | None = Field(None, description="only 0")
     presence_penalty: float | None = Field(None, description="only 0")
@@ -74,7 +75,7 @@ class _Neutral(_Strict):
 
     @model_validator(mode="after")
     def _only_neutral(self):
-        neutral = {"n": 1, "top_p": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+        neutral = {"top_p": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
         for name, value in neutral.items():
             got = getattr(self, name)
             if got is not None and got != value:
@@ -97,7 +98,9 @@ class _Generation(_Neutral):
     model: str
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT, description="most tokens to generate")
     temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy")
-    seed: int | None = Field(None, description="seed for sampling (temperature > 0)")
+    seed: int | None = Field(None, description="seed for sampling (temperature > 0); choice i uses seed + i")
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES, description="choices per prompt, each decoded as its own "
+                          "sequence (identical at temperature 0)")
     stop: str | list[str] | None = Field(None, description="up to 4 strings that end the text (not included)")
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -112,6 +115,9 @@ class _Generation(_Neutral):
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def choices_per_prompt(self) -> int:
+        return self.n or 1
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
