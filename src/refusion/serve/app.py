@@ -26,7 +26,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from refusion.config import STRATEGIES, ConfigError, DecodeConfig
 from refusion.serve.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
-from refusion.serve.scheduler import DECODING_FAILED, Draining, Event, Job, QueueFull, Scheduler, SchedulerStopped
+from refusion.serve.scheduler import (
+    DECODING_FAILED,
+    SHUTTING_DOWN,
+    Draining,
+    Event,
+    Job,
+    QueueFull,
+    Scheduler,
+    SchedulerStopped,
+)
 from refusion.serve.schemas import (
     OPENAI_NAMES,
     ChatCompletionRequest,
@@ -41,7 +50,7 @@ log = logging.getLogger("refusion.serve")
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
                413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
-ERROR_STATUS = {DECODING_FAILED: 500, "shutting_down": 503}
+ERROR_STATUS = {DECODING_FAILED: 500, SHUTTING_DOWN: 503}
 """HTTP status of an error event, by its code."""
 CLIENT_CLOSED_REQUEST = 499
 """Status recorded (and, for a non-streamed request, answered) when the client left first (nginx's code)."""
@@ -269,7 +278,7 @@ async def _generate(server: Server, request: Request, body, prompts: list[list[i
     except QueueFull as e:
         raise ApiError(503, str(e), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
     except Draining as e:
-        raise ApiError(503, str(e), code="shutting_down") from None
+        raise ApiError(503, str(e), code=SHUTTING_DOWN) from None
     except SchedulerStopped as e:
         raise ApiError(503, str(e), code="unavailable") from None
     timer.queued = True
