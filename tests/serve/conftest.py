@@ -66,6 +66,20 @@ class LiveServer:
         raise AssertionError(f"the scheduler is still busy: {self.scheduler.status()}")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def server_cpu_threads():
+    """Torch threads as `refusion serve` sets them (one core fewer than the machine has): with every core
+    spinning torch workers, a busy machine makes each forward of the tiny model 100x slower."""
+    import torch
+
+    from refusion.serve.cli import set_cpu_threads
+
+    saved = torch.get_num_threads()
+    set_cpu_threads(torch.nn.Linear(1, 1), None)
+    yield
+    torch.set_num_threads(saved)
+
+
 @pytest.fixture(scope="session")
 def tiny():
     from refusion.model.tiny import tiny_model, tiny_tokenizer
