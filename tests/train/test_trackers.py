@@ -10,7 +10,6 @@ from refusion.train.config import TrainConfig
 from refusion.train.trackers import check_trackers, hyperparameters
 
 
-
 def _config(tiny_dir, data_file, output, **changes) -> TrainConfig:
     values = dict(model=str(tiny_dir), data=(str(data_file),), output=str(output), batch_size=4, lr=3e-3,
                   max_length=128, save_every=0, num_workers=0, mixed_precision="no", seed=0)
