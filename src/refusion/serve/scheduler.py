@@ -176,6 +176,8 @@ class Scheduler:
         self._stopping = False
         self._draining = False
         self._abort: str | None = None
+        self._admitting = 0
+        """Jobs taken from the queue and not yet in `live` (the scheduler thread admits them outside the lock)."""
         self._paused = False
         self._thread: threading.Thread | None = None
         self.tokenizer_lock = threading.Lock()
@@ -262,8 +264,8 @@ class Scheduler:
 
     @property
     def busy(self) -> bool:
-        """Whether any job is waiting or decoding."""
-        return bool(self.waiting or self.live)
+        """Whether any job is waiting, being admitted or decoding."""
+        return bool(self.waiting or self._admitting or self.live)
 
     @property
     def draining(self) -> bool:
@@ -310,8 +312,10 @@ class Scheduler:
             admitted = []
             while not self._paused and self.waiting and len(self.live) + len(admitted) < self.max_batch_size:
                 admitted.append(self.waiting.popleft())
+            self._admitting = len(admitted)
         for job in admitted:
             self._admit(job)
+        self._admitting = 0
         if self._abort is not None:
             for job in self.live:
                 job.abort, job.cancelled = job.abort or self._abort, True
