@@ -66,7 +66,7 @@ class LiveServer:
         raise AssertionError(f"the scheduler is still busy: {self.scheduler.status()}")
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="package", autouse=True)
 def server_cpu_threads():
     """Torch threads as `refusion serve` sets them (one core fewer than the machine has): with every core
     spinning torch workers, a busy machine makes each forward of the tiny model 100x slower."""

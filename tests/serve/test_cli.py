@@ -30,6 +30,9 @@ def test_serve_parser_and_bad_flags():
     assert cli.served_name("/models/refusion-qwen3/") == "refusion-qwen3" and cli.served_name(None) == "refusion"
     with pytest.raises(ValueError, match="max-batch-size"):
         cli.run(parser.parse_args(["serve", "--max-batch-size", "0"]))
+    with pytest.raises(ValueError, match="shutdown-grace"):
+        cli.run(parser.parse_args(["serve", "--shutdown-grace", "-1"]))
+    assert args.shutdown_grace == cli.SHUTDOWN_GRACE_SECONDS
     with pytest.raises(ValueError, match="block_size"):  # decoding flags are checked before the model loads
         cli.run(parser.parse_args(["serve", "--model", "/nonexistent", "--slot-size", "3"]))
     assert cli.main(["--model", "/nonexistent/model"]) == 2

@@ -96,6 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"refusion serve: error: {e}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:  # fastapi, uvicorn, prometheus-client: the serve extra
+        from refusion.cli import missing_extra
+
+        if missing_extra(e) is None:
+            raise
+        print(f"refusion serve: error: {missing_extra(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -64,19 +64,28 @@ class StreamOptions(_Strict):
     """Send a last chunk with `usage` (and no choices) before `[DONE]`."""
 
 
+def only(*values) -> dict:
+    """The OpenAPI schema of a field the server accepts at these values only (what the validators enforce)."""
+    return {"json_schema_extra": {"enum": [*values, None]}}
+
+
+NEUTRAL = {"top_p": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+"""The only value of each sampling field the decoder does not implement."""
+
+
 class _Neutral(_Strict):
     """Standard OpenAI fields the decoder does not implement: accepted only at their neutral value."""
 
-    top_p: float | None = Field(None, description="nucleus sampling; only 1 (the decoder samples the full softmax)")
-    frequency_penalty: float | None = Field(None, description="only 0")
-    presence_penalty: float | None = Field(None, description="only 0")
-    logit_bias: dict[str, float] | None = Field(None, description="only empty")
+    top_p: float | None = Field(None, description="nucleus sampling; only 1 (the decoder samples the full softmax)",
+                                **only(NEUTRAL["top_p"]))
+    frequency_penalty: float | None = Field(None, description="only 0", **only(NEUTRAL["frequency_penalty"]))
+    presence_penalty: float | None = Field(None, description="only 0", **only(NEUTRAL["presence_penalty"]))
+    logit_bias: dict[str, float] | None = Field(None, description="only empty", json_schema_extra={"maxProperties": 0})
     user: str | None = Field(None, description="end-user id (ignored)")
 
     @model_validator(mode="after")
     def _only_neutral(self):
-        neutral = {"top_p": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
-        for name, value in neutral.items():
+        for name, value in NEUTRAL.items():
             got = getattr(self, name)
             if got is not None and got != value:
                 raise UnsupportedValue(name, f"{name}={got!r} is not supported by the ReFusion decoder: "
@@ -142,7 +151,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT, description="alias of max_tokens")
-    logprobs: StrictBool | None = Field(None, description="only false")
+    logprobs: StrictBool | None = Field(None, description="only false", **only(False))
 
     @model_validator(mode="after")
     def _no_logprobs(self):
@@ -160,10 +169,10 @@ class ChatCompletionRequest(_Generation):
 
 class CompletionRequest(_Generation):
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: StrictBool | None = Field(None, description="only false")
-    best_of: int | None = Field(None, description="only 1")
-    logprobs: int | None = Field(None, description="only null")
-    suffix: str | None = Field(None, description="only null")
+    echo: StrictBool | None = Field(None, description="only false", **only(False))
+    best_of: int | None = Field(None, description="only 1", **only(1))
+    logprobs: int | None = Field(None, description="only null", **only())
+    suffix: str | None = Field(None, description="only null", **only())
 
     @model_validator(mode="after")
     def _neutral_completion_fields(self):
