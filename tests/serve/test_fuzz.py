@@ -81,6 +81,7 @@ def assert_no_sequence_left(live: LiveServer) -> None:
     assert status["failed"] == 0 and httpx.get(f"{live.url}/health").json()["status"] == "ok"
 
 
+@pytest.mark.timeout(300)  # a hang fails, it does not stall the suite
 def test_fuzz_api_short(fuzz_server):
     statuses = fuzz(fuzz_server, SHORT_EXAMPLES)
     assert statuses.get(200, 0) > 0 and statuses.get(400, 0) > 0, statuses  # both valid and invalid bodies
@@ -88,6 +89,7 @@ def test_fuzz_api_short(fuzz_server):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_fuzz_api_long(fuzz_server):
     statuses = fuzz(fuzz_server, LONG_EXAMPLES)
     print(f"fuzz: {LONG_EXAMPLES} examples per operation and mode; statuses {dict(sorted(statuses.items()))}")

@@ -141,10 +141,12 @@ def soak(tiny, seconds: float) -> dict:
                 "scheduler": status}
 
 
+@pytest.mark.timeout(300)  # a hang fails, it does not stall the suite
 def test_soak_short(tiny):
     soak(tiny, SHORT_SECONDS)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_soak_long(tiny):
     print("soak:", soak(tiny, SOAK_SECONDS))
