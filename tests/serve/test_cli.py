@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import queue
 import re
@@ -29,6 +30,9 @@ def test_serve_parser_and_bad_flags():
     assert cli.served_name("/models/refusion-qwen3/") == "refusion-qwen3" and cli.served_name(None) == "refusion"
     with pytest.raises(ValueError, match="max-batch-size"):
         cli.run(parser.parse_args(["serve", "--max-batch-size", "0"]))
+    with pytest.raises(ValueError, match="shutdown-grace"):
+        cli.run(parser.parse_args(["serve", "--shutdown-grace", "-1"]))
+    assert args.shutdown_grace == cli.SHUTDOWN_GRACE_SECONDS
     with pytest.raises(ValueError, match="block_size"):  # decoding flags are checked before the model loads
         cli.run(parser.parse_args(["serve", "--model", "/nonexistent", "--slot-size", "3"]))
     assert cli.main(["--model", "/nonexistent/model"]) == 2
@@ -86,3 +90,59 @@ def test_a_model_without_mask_token_needs_the_autoregressive_default(tiny):
         create_app(model, tokenizer, config=DecodeConfig(strategy="autoregressive"))
     finally:
         model.config.mask_token_id = saved
+
+
+def _start_server(tmp_path, tiny, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`refusion serve` on the tiny model saved in tmp_path, in a subprocess; (process, base url)."""
+    model, tokenizer = tiny
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "refusion.serve.cli", "--model", str(tmp_path), "--host", "127.0.0.1",
+           "--port", "0", "--dtype", "float32", "--max-batch-size", "2", "--log-level", "info", *flags]
+    server = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        return server, f"http://127.0.0.1:{_listening_port(server)}"
+    except BaseException:
+        server.kill()
+        raise
+
+
+@pytest.mark.slow  # two subprocesses that import torch and load a model (~10 s)
+def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(tmp_path, tiny):
+    import signal
+
+    long = {"model": tmp_path.name, "prompt": "hi", "max_tokens": 900, "stream": True,
+            "stream_options": {"include_usage": True}, "refusion": {"strategy": "autoregressive", "ignore_eos": True}}
+    # 1. a grace period long enough: the stream in flight is answered in full
+    server, url = _start_server(tmp_path / "a", tiny, "--shutdown-grace", "60")
+    long["model"] = "a"
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=long, timeout=60) as stream:
+            lines = stream.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            server.send_signal(signal.SIGTERM)
+            time.sleep(0.3)  # the signal is handled between two bytecodes of the event loop's thread
+            refused = httpx.post(f"{url}/v1/completions", json={**long, "stream": False, "stream_options": None},
+                                 timeout=10)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+            events = [first, *(line for line in lines if line.startswith("data: "))]
+        assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)
+        assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 900
+        assert server.wait(30) == 0
+    finally:
+        server.kill()
+
+    # 2. no grace: the stream in flight ends with a shutting_down error event, and the exit is still clean
+    server, url = _start_server(tmp_path / "b", tiny, "--shutdown-grace", "0")
+    long["model"] = "b"
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=long, timeout=60) as stream:
+            lines = stream.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            server.send_signal(signal.SIGTERM)
+            events = [line for line in lines if line.startswith("data: ")]
+        assert any('"shutting_down"' in e for e in events) and events[-1] == "data: [DONE]"
+        assert server.wait(30) == 0
+    finally:
+        server.kill()

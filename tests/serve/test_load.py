@@ -102,7 +102,7 @@ def test_a_reader_that_stalls_does_not_block_others(tiny):
 
 def test_a_failed_step_fails_its_requests_and_the_server_goes_on(tiny):
     with live_server(tiny) as live:
-        def boom():
+        def boom(**kwargs):
             raise RuntimeError("simulated device error")
 
         live.scheduler.decoder.step = boom  # the scheduler replaces the decoder after a failure
@@ -173,9 +173,9 @@ def test_a_client_that_leaves_before_its_first_chunk_is_cancelled(tiny, spec_ver
     with LiveServer(_AsgiSpec(make_app(tiny, max_batch_size=1), spec_version)) as live:
         step = live.scheduler.decoder.step
 
-        def slow_step():  # 600 steps would take > 12 s: only a cancellation ends it sooner
+        def slow_step(**kwargs):  # 600 steps would take > 12 s: only a cancellation ends it sooner
             time.sleep(0.02)
-            return step()
+            return step(**kwargs)
 
         live.scheduler.decoder.step = slow_step
         payload = long_body(stream=stream)

@@ -70,19 +70,26 @@ class Decoder:
         return seq
 
     def cancel(self, seq: Sequence) -> None:
-        """Stop decoding a sequence (e.g. its client went away) and free its row."""
+        """Stop decoding a sequence (e.g. its client went away) and free its row (even if its program raises
+        while closing)."""
         running = self.live.pop(seq.id, None)
         if running is not None:
-            running.program.close()
-            self.cache.remove_sequences([seq.id])
+            try:
+                running.program.close()
+            finally:
+                self.cache.remove_sequences([seq.id])
 
     @torch.inference_mode()
-    def step(self) -> list[Sequence]:
-        """Run one batched forward for every live sequence; return the sequences that finished."""
+    def step(self, on_error: Callable[[Sequence, Exception], None] | None = None) -> list[Sequence]:
+        """Run one batched forward for every live sequence; return the sequences that finished.
+
+        A sequence whose program raises leaves the batch (its row is freed) and is handed to
+        `on_error(sequence, exception)` while the others go on; without `on_error` the exception propagates.
+        """
         order = sorted(self.live, key=self.cache.row_of.get)
         requests = [self.live[i].request for i in order]
         logits = self._forward(requests)
-        finished = []
+        finished, failed = [], []
         for seq_id, seq_logits in zip(order, logits):
             running = self.live[seq_id]
             seq = running.seq
@@ -91,12 +98,20 @@ class Decoder:
                 running.request = running.program.send(seq_logits)
             except StopIteration:
                 finished.append(seq)
+            except Exception as e:
+                if on_error is None:
+                    raise
+                failed.append((seq, e))
         for seq in finished:
             del self.live[seq.id]
             seq.finished = True
             seq.stats.seconds = time.perf_counter() - seq.started
         self.stats.tokens += sum(seq.stats.tokens for seq in finished)
-        self.cache.remove_sequences([s.id for s in finished])
+        for seq, _ in failed:
+            del self.live[seq.id]
+        self.cache.remove_sequences([s.id for s in finished] + [s.id for s, _ in failed])
+        for seq, e in failed:
+            on_error(seq, e)
         return finished
 
     def run(self) -> None:

@@ -1,10 +1,11 @@
-"""The OpenAI-compatible HTTP API: `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`.
+"""The OpenAI-compatible HTTP API: `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`, `/metrics`.
 
 `create_app(model, tokenizer, ...)` builds a FastAPI app around one `Scheduler` (the decoding thread).
 A request is handled in four phases: 1. validate the body (pydantic, `schemas.py`), 2. build its decoding
 settings (server defaults < request fields < the `"refusion"` extension object) and token ids, 3. submit
-its jobs to the scheduler, 4. relay the scheduler's events, as server-sent events when `stream` is true,
-else collected into one response. Every error is an OpenAI-style body `{"error": {...}}`.
+its jobs to the scheduler (one per prompt and choice), 4. relay the scheduler's events, as server-sent events
+when `stream` is true, else collected into one response. Every error is an OpenAI-style body
+`{"error": {...}}`; every generation request is counted in the app's Prometheus metrics (`metrics.py`).
 """
 
 from __future__ import annotations
@@ -19,12 +20,22 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from refusion.config import ConfigError, DecodeConfig
-from refusion.serve.scheduler import Event, Job, QueueFull, Scheduler, SchedulerStopped
+from refusion.config import STRATEGIES, ConfigError, DecodeConfig
+from refusion.serve.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
+from refusion.serve.scheduler import (
+    DECODING_FAILED,
+    SHUTTING_DOWN,
+    Draining,
+    Event,
+    Job,
+    QueueFull,
+    Scheduler,
+    SchedulerStopped,
+)
 from refusion.serve.schemas import (
     OPENAI_NAMES,
     ChatCompletionRequest,
@@ -39,6 +50,10 @@ log = logging.getLogger("refusion.serve")
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
                413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+ERROR_STATUS = {DECODING_FAILED: 500, SHUTTING_DOWN: 503}
+"""HTTP status of an error event, by its code."""
+CLIENT_CLOSED_REQUEST = 499
+"""Status recorded (and, for a non-streamed request, answered) when the client left first (nginx's code)."""
 RETRY_AFTER_SECONDS = 1
 DISCONNECT_POLL_SECONDS = 0.25
 MAX_BODY_BYTES = 8 << 20
@@ -70,6 +85,7 @@ class Server:
     model_name: str
     scheduler: Scheduler
     created: int
+    metrics: ServerMetrics
 
     @property
     def context_length(self) -> int | None:
@@ -81,8 +97,10 @@ def create_app(model, tokenizer, *, config: DecodeConfig | None = None, model_na
     """A FastAPI app serving `model`; its scheduler thread starts and stops with the app (lifespan)."""
     config = config or DecodeConfig()
     _check_model_fits(model, config)
-    scheduler = Scheduler(model, tokenizer, max_batch_size=max_batch_size, max_queue=max_queue)
-    server = Server(model, tokenizer, config, model_name, scheduler, now())
+    metrics = ServerMetrics()
+    scheduler = Scheduler(model, tokenizer, max_batch_size=max_batch_size, max_queue=max_queue, observer=metrics)
+    metrics.watch(queue_depth=lambda: len(scheduler.waiting), batch_size=lambda: len(scheduler.live))
+    server = Server(model, tokenizer, config, model_name, scheduler, now(), metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -96,6 +114,7 @@ def create_app(model, tokenizer, *, config: DecodeConfig | None = None, model_na
     app.state.server = server
     _add_error_handlers(app)
     _add_routes(app, server)
+    _document_request_bodies(app)
     return app
 
 
@@ -110,9 +129,15 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     @app.get("/health")
     async def health():
         status = server.scheduler.status()
-        ok = status["running"]
-        return JSONResponse({"status": "ok" if ok else "unavailable", "model": server.model_name, **status},
-                            status_code=200 if ok else 503)
+        ok = status["running"] and not status["draining"]
+        word = "ok" if ok else "draining" if status["draining"] else "unavailable"
+        return JSONResponse({"status": word, "model": server.model_name, **status}, status_code=200 if ok else 503)
+
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}})
+    async def metrics():
+        """Prometheus metrics (text exposition format), docs/SERVING.md."""
+        return Response(server.metrics.exposition(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models():
@@ -125,19 +150,67 @@ def _add_routes(app: FastAPI, server: Server) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _parse(request, ChatCompletionRequest)
-        _check_model_name(server, body.model)
-        with server.scheduler.tokenizer_lock:
-            prompts = [_encode_chat(server.tokenizer, body.chat_messages())]
-        return await _generate(server, request, body, prompts, chat=True)
+        return await _answer(server, request, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _parse(request, CompletionRequest)
+        return await _answer(server, request, chat=False)
+
+
+REQUEST_SCHEMAS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+
+
+def _document_request_bodies(app: FastAPI) -> None:
+    """Put the request schemas in the OpenAPI document (the handlers parse their bodies themselves, so FastAPI
+    does not see them); clients and schema-driven fuzzers (tests/serve/test_fuzz.py) read them there."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in REQUEST_SCHEMAS.items():
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+                schema["paths"][path]["post"]["requestBody"] = {
+                    "required": True,
+                    "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+async def _answer(server: Server, request: Request, *, chat: bool):
+    """Parse, tokenize and generate; the request is counted by the status it ends with."""
+    timer = RequestTimer(server.metrics)
+    try:
+        body = await _parse(request, ChatCompletionRequest if chat else CompletionRequest)
+        timer.strategy = _strategy(server, body)
         _check_model_name(server, body.model)
         with server.scheduler.tokenizer_lock:
-            prompts = [p if isinstance(p, list) else server.tokenizer(p)["input_ids"] for p in body.prompts()]
-        return await _generate(server, request, body, prompts, chat=False)
+            if chat:
+                prompts = [_encode_chat(server.tokenizer, body.chat_messages())]
+            else:
+                prompts = [p if isinstance(p, list) else server.tokenizer(p)["input_ids"] for p in body.prompts()]
+        response = await _generate(server, request, body, prompts, chat=chat, timer=timer)
+    except ApiError as e:
+        timer.finish(e.status)
+        raise
+    except Exception:
+        timer.finish(500)
+        raise
+    if not isinstance(response, StreamingResponse):  # a stream is counted when it ends
+        timer.finish(response.status_code)
+    return response
+
+
+def _strategy(server: Server, body) -> str:
+    """The request's strategy, as a metrics label (an invalid one is refused later; it is not a label value)."""
+    chosen = body.refusion.strategy if body.refusion is not None else None
+    chosen = chosen or server.config.strategy
+    return chosen if chosen in STRATEGIES else "unknown"
 
 
 async def _parse(request: Request, schema: type[BaseModel]):
@@ -184,7 +257,8 @@ def _encode_chat(tokenizer, messages: list[dict]) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------ generation
-async def _generate(server: Server, request: Request, body, prompts: list[list[int]], *, chat: bool):
+async def _generate(server: Server, request: Request, body, prompts: list[list[int]], *, chat: bool,
+                    timer: RequestTimer):
     # 1. decoding settings and jobs (validated before anything is queued)
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
@@ -195,20 +269,24 @@ async def _generate(server: Server, request: Request, body, prompts: list[list[i
                 loop.call_soon_threadsafe(events.put_nowait, (index, event))
         return emit
 
-    jobs = _build_jobs(server, body, prompts, [emitter(i) for i in range(len(prompts))])
+    _check_fits_scheduler(server, len(prompts), body.choices_per_prompt())
+    jobs = _build_jobs(server, body, prompts, [emitter(i) for i in range(len(prompts) * body.choices_per_prompt())])
 
     # 2. queue them
     try:
         server.scheduler.submit(jobs)
     except QueueFull as e:
         raise ApiError(503, str(e), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+    except Draining as e:
+        raise ApiError(503, str(e), code=SHUTTING_DOWN) from None
     except SchedulerStopped as e:
         raise ApiError(503, str(e), code="unavailable") from None
+    timer.queued = True
 
     # 3. relay the events
     reply = Reply(server, body, prompts, chat)
     if body.stream:
-        return StreamingResponse(_stream(server, request, jobs, events, reply), media_type="text/event-stream",
+        return StreamingResponse(_stream(server, request, jobs, events, reply, timer), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
         return await _collect(request, jobs, events, reply)
@@ -217,27 +295,38 @@ async def _generate(server: Server, request: Request, body, prompts: list[list[i
             server.scheduler.cancel(job)  # no-op for finished jobs; frees the rows of a client that left
 
 
+def _check_fits_scheduler(server: Server, prompts: int, n: int) -> None:
+    """A request that could never be queued (its choices are submitted all or none) is a 400, not a 503 forever."""
+    capacity = server.scheduler.capacity
+    if prompts * n > capacity:
+        raise ApiError(400, f"this request needs {prompts * n} sequences ({prompts} prompt(s) x n={n}) but the "
+                            f"server holds at most {capacity} (max_batch_size + max_queue); lower n or send fewer "
+                            "prompts", param="n" if n > 1 else "prompt")
+
+
 def _build_jobs(server: Server, body, prompts: list[list[int]], emits) -> list[Job]:
-    """One job per prompt. Prompts are validated here, so that a bad one is a 400 naming its field before
-    anything is queued (`Decoder.add` checks again when the scheduler admits the job); the decoder seeds each
-    sequence's generator (seed + its index in the request)."""
+    """n jobs per prompt (choice index = prompt index * n + j, as OpenAI orders them). Prompts are validated
+    here, so that a bad one is a 400 naming its field before anything is queued (`Decoder.add` checks again
+    when the scheduler admits the job); the decoder seeds each sequence's generator with seed + its choice
+    index (at random when the request gives no seed)."""
     from refusion.decode.loop import validate_prompts
     from refusion.model.setup import setup_of
 
-    jobs = []
-    for index, (prompt, emit) in enumerate(zip(prompts, emits, strict=True)):
+    n, jobs = body.choices_per_prompt(), []
+    for p, prompt in enumerate(prompts):
         cfg = _request_config(server, body, len(prompt))
         try:
             tokens = setup_of(server.model).special_tokens.for_decoding(cfg)
             mask_id, eos_ids = tokens.mask_token_id, list(tokens.eos_token_ids)
-            validate_prompts(server.model, [prompt], cfg, mask_id, first_index=index)
+            validate_prompts(server.model, [prompt], cfg, mask_id, first_index=p)
         except ValueError as e:
             prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
             too_long_param = prompt_param if body.requested_tokens() is None else "max_tokens"
             raise _config_error(e, prompt_param, too_long_param) from None
         if body.refusion is not None and body.refusion.ignore_eos:
             eos_ids = []
-        jobs.append(Job(prompt, cfg, mask_id, eos_ids, emit, stops=body.stop_strings(), index=index))
+        for index in range(p * n, (p + 1) * n):
+            jobs.append(Job(prompt, cfg, mask_id, eos_ids, emits[index], stops=body.stop_strings(), index=index))
     return jobs
 
 
@@ -357,25 +446,27 @@ async def _collect(request: Request, jobs: list[Job], events: asyncio.Queue, rep
     async with contextlib.aclosing(_events(request, events)) as stream:
         async for index, event in stream:
             if event.error is not None:
-                raise ApiError(500, event.error, code="decoding_failed")
+                raise ApiError(ERROR_STATUS.get(event.code, 500), event.error, code=event.code or DECODING_FAILED)
             texts[index] += event.delta
             if event.final:
                 finals[index] = event
             if all(f is not None for f in finals):
                 break
         else:
-            return JSONResponse(error_body("client disconnected"), status_code=499)
+            return JSONResponse(error_body("client disconnected"), status_code=CLIENT_CLOSED_REQUEST)
     choices = [reply.choice(i, texts[i], finals[i]) for i in range(len(jobs))]
     return JSONResponse(reply.whole(choices, sum(f.completion_tokens for f in finals)))
 
 
 async def _stream(server: Server, request: Request, jobs: list[Job], events: asyncio.Queue,
-                  reply: Reply) -> AsyncIterator[str]:
-    """Streamed: one SSE chunk per delta, a last chunk per choice with its finish_reason, then [DONE].
+                  reply: Reply, timer: RequestTimer) -> AsyncIterator[str]:
+    """Streamed: one SSE chunk per delta, a last chunk per choice with its finish_reason, then [DONE]. An error
+    (decoding failed, server shutting down) is an `{"error": ...}` event, then [DONE].
 
     When the client disconnects, the server cancels this generator (ASGI spec < 2.4) or `_events` ends
     (any server); `finally` frees the jobs' rows.
     """
+    status = CLIENT_CLOSED_REQUEST  # until the stream ends otherwise
     try:
         if reply.chat:
             for i in range(len(jobs)):
@@ -384,7 +475,8 @@ async def _stream(server: Server, request: Request, jobs: list[Job], events: asy
         async with contextlib.aclosing(_events(request, events)) as stream:
             async for index, event in stream:
                 if event.error is not None:
-                    yield _sse(error_body(event.error, type="server_error", code="decoding_failed"))
+                    status = ERROR_STATUS.get(event.code, 500)
+                    yield _sse(error_body(event.error, type="server_error", code=event.code or DECODING_FAILED))
                     break
                 if event.delta:
                     yield _sse(reply.chunk(index, event.delta))
@@ -395,11 +487,13 @@ async def _stream(server: Server, request: Request, jobs: list[Job], events: asy
                 if done == len(jobs):
                     if reply.include_usage:
                         yield _sse(reply.usage_chunk(completion_tokens))
+                    status = 200
                     break
             else:
                 return  # the client has gone
         yield "data: [DONE]\n\n"
     finally:
+        timer.finish(status)
         for job in jobs:
             server.scheduler.cancel(job)
 

@@ -7,8 +7,9 @@ import os
 
 from refusion.arguments import add_decode_arguments, add_model_arguments, decode_config_from_args
 
-GRACEFUL_SHUTDOWN_SECONDS = 10
-"""On shutdown, streams still open after this long are cut (their sequences are cancelled)."""
+SHUTDOWN_GRACE_SECONDS = 20.0
+"""Default of --shutdown-grace: after SIGTERM, accepted requests have this long to finish. With the flush time
+of serve/shutdown.py (5 s) it stays under the 30 s that Kubernetes and most supervisors wait before SIGKILL."""
 
 
 def add_parser(subparsers) -> None:
@@ -29,6 +30,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default on CPU: one core fewer than the machine has, leaving one to "
                         "the HTTP event loop; oversubscribed cores slow every forward down many times)")
+    p.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_SECONDS, metavar="SECONDS",
+                   help="on SIGTERM / Ctrl+C: new requests get 503 and the accepted ones have this long to finish "
+                        f"before they are ended with an error; then the process exits 0 (default {SHUTDOWN_GRACE_SECONDS:g})")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_decode_arguments(p)
     p.set_defaults(func=run)
@@ -60,19 +64,24 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--threads={args.threads} is invalid: must be >= 1")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port={args.port} is invalid: must be in [0, 65535]")
+    if not args.shutdown_grace >= 0:
+        raise ValueError(f"--shutdown-grace={args.shutdown_grace} is invalid: must be >= 0 seconds")
     import uvicorn
 
     from refusion.model.loading import load
     from refusion.serve.app import create_app
+    from refusion.serve.shutdown import FLUSH_SECONDS, GracefulServer
 
     cfg = decode_config_from_args(args)  # validated before the model loads
     model, tokenizer = load(args.model, dtype=args.dtype, device=args.device)
     set_cpu_threads(model, args.threads)
     app = create_app(model, tokenizer, config=cfg, model_name=args.served_model_name or served_name(args.model),
                      max_batch_size=args.max_batch_size, max_queue=args.max_queue)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
-    return 0
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=FLUSH_SECONDS)
+    server = GracefulServer(config, app.state.server.scheduler, grace=args.shutdown_grace)
+    server.run()
+    return 0 if server.started else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,6 +95,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args) or 0
     except (ValueError, FileNotFoundError) as e:
         print(f"refusion serve: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:  # fastapi, uvicorn, prometheus-client: the serve extra
+        from refusion.cli import missing_extra
+
+        if missing_extra(e) is None:
+            raise
+        print(f"refusion serve: error: {missing_extra(e)}", file=sys.stderr)
         return 2
 
 

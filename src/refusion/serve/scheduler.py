@@ -11,6 +11,11 @@ Request handlers `submit` jobs to a bounded waiting queue. The scheduler thread 
 Events reach the handlers through `Job.emit`, which must not block (the app hands it an asyncio queue
 via `loop.call_soon_threadsafe`), so a slow reader never holds up the batch. Streamed and non-streamed
 requests run the same code: a non-streamed response is the concatenation of the streamed deltas.
+
+Faults stay with their sequence: a sequence whose program raises, or whose text cannot be published, fails
+alone (an error event) while the rest of the batch goes on; only a failing batched forward fails every live
+sequence (the decoder is then rebuilt). `drain(grace)` is the clean shutdown: no new jobs, the accepted ones
+finish within `grace` seconds, the rest end with a "shutting_down" error event.
 """
 
 from __future__ import annotations
@@ -45,7 +50,9 @@ class Event:
     stats: dict | None = None
     """Decoder statistics of the finished sequence (forwards, rounds, tokens_per_forward, phase_forwards, ...)."""
     error: str | None = None
-    """Set when decoding failed; the event is final."""
+    """Set when decoding failed or was cut short by shutdown; the event is final."""
+    code: str | None = None
+    """With `error`: "decoding_failed" (answered 500) or "shutting_down" (503)."""
 
     @property
     def final(self) -> bool:
@@ -107,6 +114,10 @@ class Job:
     # scheduler state
     seq: Sequence | None = None
     admitted: float = 0.0
+    first_token_at: float | None = None
+    """When its first response token was committed in the contiguous prefix (perf_counter)."""
+    abort: str | None = None
+    """Why the server cut this job short (shutdown); it then ends with an error event, not "cancelled"."""
     rounds_seen: int = -1
     tokens: int = 0
     cancelled: bool = False
@@ -125,13 +136,37 @@ class SchedulerStopped(RuntimeError):
     """The scheduler is not running (the server answers 503)."""
 
 
+class Draining(SchedulerStopped):
+    """The server is shutting down and admits no new job (the server answers 503)."""
+
+
+SHUTTING_DOWN = "shutting_down"
+DECODING_FAILED = "decoding_failed"
+
+
+class SchedulerObserver:
+    """What the scheduler thread reports (the server's metrics implement it); every hook must be quick."""
+
+    def sequence_admitted(self, job: Job) -> None:
+        """A job joined the batch (its prompt is about to be prefilled)."""
+
+    def first_token(self, job: Job) -> None:
+        """A job's first response token was committed in its contiguous prefix (`job.first_token_at`)."""
+
+    def sequence_left(self, job: Job, outcome: str) -> None:
+        """A job left the batch: outcome "completed", "cancelled" or "failed" (`job.seq` may be None when it
+        failed to start)."""
+
+
 class Scheduler:
     """Owns a `Decoder` in a dedicated thread; see the module docstring."""
 
-    def __init__(self, model, tokenizer, *, max_batch_size: int = 8, max_queue: int = 64, decoder_capacity: int = 512):
+    def __init__(self, model, tokenizer, *, max_batch_size: int = 8, max_queue: int = 64, decoder_capacity: int = 512,
+                 observer: SchedulerObserver | None = None):
         if max_batch_size < 1 or max_queue < 0:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1 and max_queue={max_queue} >= 0")
         self.model, self.tokenizer = model, tokenizer
+        self.observer = observer or SchedulerObserver()
         self.max_batch_size, self.max_queue = max_batch_size, max_queue
         self.decoder_capacity = decoder_capacity
         self.decoder = None
@@ -139,10 +174,14 @@ class Scheduler:
         self.live: list[Job] = []
         self._cond = threading.Condition()
         self._stopping = False
+        self._draining = False
+        self._abort: str | None = None
+        self._admitting = 0
+        """Jobs taken from the queue and not yet in `live` (the scheduler thread admits them outside the lock)."""
         self._paused = False
         self._thread: threading.Thread | None = None
         self.tokenizer_lock = threading.Lock()
-        self.counters = {"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0, "steps": 0}
+        self.counters = {"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0, "aborted": 0, "steps": 0}
 
     # ----------------------------------------------------------------------------- handler side
     def start(self) -> None:
@@ -164,9 +203,16 @@ class Scheduler:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
+    @property
+    def capacity(self) -> int:
+        """Most jobs one submission can ever hold: a batch of rows plus a full queue."""
+        return self.max_batch_size + self.max_queue
+
     def submit(self, jobs: list[Job]) -> None:
-        """Queue jobs (all or none); raise QueueFull when they do not fit."""
+        """Queue jobs (all or none); raise QueueFull when they do not fit, Draining once `drain` has begun."""
         with self._cond:
+            if self._draining:
+                raise Draining("the server is shutting down and accepts no new requests")
             if not self.running:
                 raise SchedulerStopped("the decoding scheduler is not running")
             free_rows = 0 if self._paused else max(self.max_batch_size - len(self.live), 0)
@@ -188,6 +234,43 @@ class Scheduler:
                 self.counters["cancelled"] += 1
             self._cond.notify_all()
 
+    def drain(self, grace: float) -> int:
+        """Clean shutdown, blocking: admit no new job, let the accepted ones (live and waiting) finish for up
+        to `grace` seconds, then end the rest with a "shutting_down" error. Returns how many were cut."""
+        with self._cond:
+            self._draining = True
+        deadline = time.monotonic() + grace
+        while self.busy and time.monotonic() < deadline:
+            time.sleep(0.05)
+        cut = self.abort_all(f"the server shut down before this request finished (grace period {grace:g} s)")
+        deadline = time.monotonic() + 10  # the aborted live jobs leave at the scheduler's next iteration
+        while self.live and self.running and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return cut
+
+    def abort_all(self, message: str) -> int:
+        """End every accepted job with an error event `message` (code "shutting_down"): waiting jobs at once,
+        live ones before the next step (the scheduler thread marks them). Returns how many."""
+        with self._cond:
+            waiting, live = list(self.waiting), len(self.live)
+            self.waiting.clear()
+            self._draining, self._abort = True, message
+            self.counters["aborted"] += len(waiting)
+            self._cond.notify_all()
+        for job in waiting:
+            job.done = True
+            job.emit(Event(error=message, code=SHUTTING_DOWN))
+        return len(waiting) + live
+
+    @property
+    def busy(self) -> bool:
+        """Whether any job is waiting, being admitted or decoding."""
+        return bool(self.waiting or self._admitting or self.live)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
     def pause(self) -> None:
         """Stop admitting and stepping (live sequences wait, new ones queue): for maintenance and tests."""
         with self._cond:
@@ -199,18 +282,23 @@ class Scheduler:
             self._cond.notify_all()
 
     def status(self) -> dict:
-        return {"running": self.running, "live": len(self.live), "waiting": len(self.waiting),
+        return {"running": self.running, "draining": self._draining, "live": len(self.live), "waiting": len(self.waiting),
                 "max_batch_size": self.max_batch_size, "max_queue": self.max_queue, **self.counters}
 
     # ----------------------------------------------------------------------------- scheduler thread
     def _run(self) -> None:
         try:
-            while self._iterate():
-                pass
+            while True:
+                try:
+                    if not self._iterate():
+                        break
+                except Exception as e:  # a failed forward (or a bug) must not take the server down
+                    log.exception("decoding step failed")
+                    self._fail_all(f"decoding failed: {type(e).__name__}: {e}")
         finally:
             for job in [*self.live, *self.waiting]:
                 job.done = True
-                job.emit(Event(error="the server is shutting down"))
+                job.emit(Event(error="the server is shutting down", code=SHUTTING_DOWN))
             self.live.clear()
             self.waiting.clear()
 
@@ -224,30 +312,43 @@ class Scheduler:
             admitted = []
             while not self._paused and self.waiting and len(self.live) + len(admitted) < self.max_batch_size:
                 admitted.append(self.waiting.popleft())
+            self._admitting = len(admitted)
         for job in admitted:
             self._admit(job)
+        self._admitting = 0
+        if self._abort is not None:
+            for job in self.live:
+                job.abort, job.cancelled = job.abort or self._abort, True
         for job in [j for j in self.live if j.cancelled]:
-            self._leave(job, Event(finish_reason="cancelled", completion_tokens=job.tokens))
+            if job.abort is not None:
+                self._leave(job, Event(error=job.abort, code=SHUTTING_DOWN, completion_tokens=job.tokens))
+            else:
+                self._leave(job, Event(finish_reason="cancelled", completion_tokens=job.tokens))
         if self._paused or not self.live:
             return True
 
-        # 2. one batched forward for every live sequence
-        try:
-            finished = {seq.id for seq in self.decoder.step()}
-        except Exception as e:  # a failed forward must not take the server down
-            log.exception("decoding step failed")
-            self._fail_all(f"decoding failed: {type(e).__name__}: {e}")
-            return True
+        # 2. one batched forward for every live sequence; a sequence whose program raises fails alone
+        failed: list[tuple[Sequence, Exception]] = []
+        finished = {seq.id for seq in self.decoder.step(on_error=lambda seq, e: failed.append((seq, e)))}
         self.counters["steps"] += 1
+        for seq, e in failed:
+            job = next(j for j in self.live if j.seq is seq)
+            log.error("decoding failed for one sequence", exc_info=e)
+            self._fail(job, f"decoding failed: {type(e).__name__}: {e}")
 
         # 3. publish the text that became contiguous, finish what ended
         for job in list(self.live):
-            self._publish(job, job.seq.id in finished)
+            try:
+                self._publish(job, job.seq.id in finished)
+            except Exception as e:
+                log.exception("publishing a sequence's text failed")
+                self.decoder.cancel(job.seq)
+                self._fail(job, f"decoding failed: {type(e).__name__}: {e}")
         return True
 
     def _idle(self) -> bool:
         """Nothing to do until a handler calls in (holding the lock)."""
-        if self._stopping or any(j.cancelled for j in self.live):
+        if self._stopping or any(j.cancelled for j in self.live) or (self._abort is not None and self.live):
             return False
         return self._paused or (not self.waiting and not self.live)
 
@@ -257,12 +358,11 @@ class Scheduler:
                                        eos_token_ids=job.eos_token_ids, generator=job.generator, index=job.index)
         except Exception as e:
             log.exception("could not start a sequence")
-            self.counters["failed"] += 1
-            job.done = True
-            job.emit(Event(error=f"could not start decoding: {type(e).__name__}: {e}"))
+            self._fail(job, f"could not start decoding: {type(e).__name__}: {e}")
             return
         job.admitted = time.perf_counter()
         self.live.append(job)
+        self.observer.sequence_admitted(job)
 
     def _publish(self, job: Job, finished: bool) -> None:
         seq = job.seq
@@ -273,6 +373,9 @@ class Scheduler:
         if len(tokens) == job.tokens and not finished:
             return
         job.tokens = len(tokens)
+        if job.first_token_at is None and tokens:
+            job.first_token_at = time.perf_counter()
+            self.observer.first_token(job)
         with self.tokenizer_lock:
             text = self.tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         delta, stopped = job.text.update(text, final=finished)
@@ -287,10 +390,24 @@ class Scheduler:
         """Take a job out of the batch (freeing its cache row) and send its final event."""
         if job in self.live:
             self.live.remove(job)
-            self.decoder.cancel(job.seq)  # a no-op for a sequence that finished
+            try:
+                self.decoder.cancel(job.seq)  # a no-op for a sequence that finished
+            except Exception:
+                log.exception("closing a cancelled sequence failed (its row is freed)")
         job.done = True
-        self.counters["cancelled" if event.finish_reason == "cancelled" else "completed"] += 1
+        outcome = "completed" if event.error is None and event.finish_reason != "cancelled" else "cancelled"
+        self.counters["aborted" if event.error is not None else outcome] += 1
+        self.observer.sequence_left(job, outcome)
         job.emit(event)
+
+    def _fail(self, job: Job, message: str) -> None:
+        """End one job with a "decoding_failed" error (its sequence already left the decoder)."""
+        if job in self.live:
+            self.live.remove(job)
+        self.counters["failed"] += 1
+        job.done = True
+        self.observer.sequence_left(job, "failed")
+        job.emit(Event(error=message, code=DECODING_FAILED, completion_tokens=job.tokens))
 
     def _stats(self, job: Job) -> dict:
         s = job.seq.stats
@@ -305,9 +422,6 @@ class Scheduler:
     def _fail_all(self, message: str) -> None:
         """After a failed step: fail every live job and start over with a fresh decoder."""
         from refusion.decode.loop import Decoder
-        for job in self.live:
-            self.counters["failed"] += 1
-            job.done = True
-            job.emit(Event(error=message))
-        self.live.clear()
+        for job in list(self.live):
+            self._fail(job, message)
         self.decoder = Decoder(self.model, capacity=self.decoder_capacity)

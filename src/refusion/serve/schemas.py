@@ -1,7 +1,7 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic models).
 
-Requests follow the OpenAI names (`max_tokens`, `temperature`, `stop`, `seed`, `stream`, ...). Fields the
-decoder has no use for are accepted only at their neutral value (`n=1`, `top_p=1`, penalties 0, ...), so a
+Requests follow the OpenAI names (`max_tokens`, `temperature`, `stop`, `seed`, `stream`, `n`, ...). Fields the
+decoder has no use for are accepted only at their neutral value (`top_p=1`, penalties 0, ...), so a
 client never silently gets something other than what it asked for; any other unknown field is a 400,
 as with the OpenAI API. ReFusion settings go in the extension object `"refusion": {...}`.
 """
@@ -19,6 +19,8 @@ from refusion.config import MODEL_FIELDS, DecodeConfig, field_docs, field_types
 
 MAX_TOKENS_LIMIT = 1 << 20
 """Upper bound of `max_tokens` checked before tokenization; the model's context is checked after."""
+MAX_CHOICES = 16
+"""Upper bound of `n` (choices per prompt); each choice is its own sequence in the batch."""
 
 
 class _Strict(BaseModel):
@@ -62,20 +64,28 @@ class StreamOptions(_Strict):
     """Send a last chunk with `usage` (and no choices) before `[DONE]`."""
 
 
+def only(*values) -> dict:
+    """The OpenAPI schema of a field the server accepts at these values only (what the validators enforce)."""
+    return {"json_schema_extra": {"enum": [*values, None]}}
+
+
+NEUTRAL = {"top_p": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+"""The only value of each sampling field the decoder does not implement."""
+
+
 class _Neutral(_Strict):
     """Standard OpenAI fields the decoder does not implement: accepted only at their neutral value."""
 
-    n: int | None = Field(None, description="choices per prompt; only 1")
-    top_p: float | None = Field(None, description="nucleus sampling; only 1 (the decoder samples the full softmax)")
-    frequency_penalty: float | None = Field(None, description="only 0")
-    presence_penalty: float | None = Field(None, description="only 0")
-    logit_bias: dict[str, float] | None = Field(None, description="only empty")
+    top_p: float | None = Field(None, description="nucleus sampling; only 1 (the decoder samples the full softmax)",
+                                **only(NEUTRAL["top_p"]))
+    frequency_penalty: float | None = Field(None, description="only 0", **only(NEUTRAL["frequency_penalty"]))
+    presence_penalty: float | None = Field(None, description="only 0", **only(NEUTRAL["presence_penalty"]))
+    logit_bias: dict[str, float] | None = Field(None, description="only empty", json_schema_extra={"maxProperties": 0})
     user: str | None = Field(None, description="end-user id (ignored)")
 
     @model_validator(mode="after")
     def _only_neutral(self):
-        neutral = {"n": 1, "top_p": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
-        for name, value in neutral.items():
+        for name, value in NEUTRAL.items():
             got = getattr(self, name)
             if got is not None and got != value:
                 raise UnsupportedValue(name, f"{name}={got!r} is not supported by the ReFusion decoder: "
@@ -97,7 +107,9 @@ class _Generation(_Neutral):
     model: str
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT, description="most tokens to generate")
     temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy")
-    seed: int | None = Field(None, description="seed for sampling (temperature > 0)")
+    seed: int | None = Field(None, description="seed for sampling (temperature > 0); choice i uses seed + i")
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES, description="choices per prompt, each decoded as its own "
+                          "sequence (identical at temperature 0)")
     stop: str | list[str] | None = Field(None, description="up to 4 strings that end the text (not included)")
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -112,6 +124,9 @@ class _Generation(_Neutral):
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def choices_per_prompt(self) -> int:
+        return self.n or 1
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -136,7 +151,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT, description="alias of max_tokens")
-    logprobs: StrictBool | None = Field(None, description="only false")
+    logprobs: StrictBool | None = Field(None, description="only false", **only(False))
 
     @model_validator(mode="after")
     def _no_logprobs(self):
@@ -154,10 +169,10 @@ class ChatCompletionRequest(_Generation):
 
 class CompletionRequest(_Generation):
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: StrictBool | None = Field(None, description="only false")
-    best_of: int | None = Field(None, description="only 1")
-    logprobs: int | None = Field(None, description="only null")
-    suffix: str | None = Field(None, description="only null")
+    echo: StrictBool | None = Field(None, description="only false", **only(False))
+    best_of: int | None = Field(None, description="only 1", **only(1))
+    logprobs: int | None = Field(None, description="only null", **only())
+    suffix: str | None = Field(None, description="only null", **only())
 
     @model_validator(mode="after")
     def _neutral_completion_fields(self):

@@ -23,6 +23,7 @@ _SPECIAL = {
     "data": dict(action="append", metavar="D"),
     "slot_sizes": dict(type=lambda s: tuple(int(k) for k in s.split(",")), metavar="K,K,..."),
     "resume": dict(nargs="?", const="latest", metavar="CHECKPOINT"),
+    "report_to": dict(type=lambda s: tuple(t.strip() for t in s.split(",") if t.strip()), metavar="TRACKER[,TRACKER]"),
 }
 _SHORT_HELP = {
     "data": "Data file (JSON / JSONL) or built-in name (gsm8k, mbpp, math); repeat for several.",

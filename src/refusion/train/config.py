@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from refusion.config import field_docs
 from refusion.model.adapter import LORA_GATES, is_adapter_dir
+from refusion.train.trackers import TRACKERS
 
 __all__ = ["DEFAULT_SLOT_SIZES", "MIXED_PRECISION", "OBJECTIVES", "TrainConfig", "field_docs"]
 
@@ -146,6 +147,10 @@ class TrainConfig:
     log_every: int = 1
     """Write a metrics.jsonl line every this many optimizer steps."""
 
+    report_to: tuple[str, ...] = ()
+    """Experiment trackers (accelerate's, e.g. tensorboard or wandb; comma-separated) that also receive each
+    metrics.jsonl line. Local by default: wandb runs offline unless WANDB_MODE is set (train/trackers.py)."""
+
     num_workers: int = 1
     """Data-loader worker processes building batches (0: in the training process)."""
 
@@ -214,6 +219,8 @@ class TrainConfig:
                  "lora_init", self.lora_init, "must be an adapter directory (with adapter_config.json)")
         _require(self.resume is None or (isinstance(self.resume, str) and bool(self.resume)), "resume", self.resume,
                  '"latest" or a checkpoint directory')
+        _require(isinstance(self.report_to, tuple) and all(t in TRACKERS for t in self.report_to), "report_to",
+                 self.report_to, f"each must be one of {', '.join(TRACKERS)}")
 
     def replace(self, **changes) -> TrainConfig:
         return dataclasses.replace(self, **changes)
@@ -230,7 +237,7 @@ class TrainConfig:
             raise ValueError(f"{source}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         fixed = {}
         for key, value in values.items():
-            if key in ("data", "slot_sizes"):
+            if key in ("data", "slot_sizes", "report_to"):
                 value = (value,) if isinstance(value, (str, int)) else tuple(value)
             fixed[key] = value
         return cls(**fixed)

@@ -5,7 +5,8 @@ same code runs as `python -m refusion train`, under `torchrun` and under `accele
 DeepSpeed ZeRO-2/3, FSDP; see accelerate_configs/). LoRA goes through peft.
 
 Output directory:
-    metrics.jsonl               one line per logged optimizer step (step, loss, loss_ar, loss_mdm, lr, ...)
+    metrics.jsonl               one line per logged optimizer step (step, loss, loss_ar, loss_mdm, lr, ...); the
+                                trackers of `report_to` receive the same values (train/trackers.py)
     checkpoints/step-NNNNNNN/   resumable state (model, optimizer, scheduler, RNG, trainer_state.json)
     config.json, model files    the final model, a standard HF directory with mask_token_id in its config
     adapter/                    LoRA runs: the adapter (the merged model is written to the directory itself)
@@ -263,16 +264,21 @@ def train(config: TrainConfig, *, on_step: Callable[[dict], None] | None = None)
     from refusion.train.batching import BatchRecipe, MicroBatchStream
     from refusion.train.data import check_sources, load_training_data, response_eos_id
     from refusion.train.loss import HybridObjective
+    from refusion.train.trackers import check_trackers, keep_offline
 
-    # 1. output directory (before anything slow), processes, seeds
+    # 1. output directory (before anything slow), trackers, processes, seeds
     resume_from = resolve_resume(config)
     check_sources(config.data, config.data_dir)
+    check_trackers(config.report_to)
     output = Path(config.output)
+    keep_offline(config.report_to, output)
     accelerator = Accelerator(
         cpu=not _has_accelerator_device(),  # lets torchrun on CPUs start gloo processes
         mixed_precision=resolve_mixed_precision(config.mixed_precision),
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=config.grad_accum, sync_with_dataloader=False),
         step_scheduler_with_optimizer=False,
+        log_with=list(config.report_to) or None,
+        project_dir=str(output),
     )
     set_seed(config.seed)
 
@@ -314,6 +320,11 @@ def train(config: TrainConfig, *, on_step: Callable[[dict], None] | None = None)
     if accelerator.is_main_process:
         output.mkdir(parents=True, exist_ok=True)
         _print_start(config, data, steps, state, accelerator)
+    if config.report_to:
+        from refusion.train.trackers import TRACKER_PROJECT, hyperparameters, init_kwargs
+
+        accelerator.init_trackers(TRACKER_PROJECT, config=hyperparameters(config.to_dict()),
+                                  init_kwargs=init_kwargs(config.report_to, output))
 
     # 6. loop
     last = _run_steps(config, accelerator, objective, optimizer, scheduler, parameters, stream, state, steps,
@@ -337,6 +348,8 @@ def _run_steps(config, accelerator, objective, optimizer, scheduler, parameters,
                on_step) -> dict | None:
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
+
+    from refusion.train.trackers import step_metrics
 
     start, end = state.step * config.grad_accum, steps * config.grad_accum
     loader = DataLoader(stream, batch_size=None, sampler=range(start, end), num_workers=config.num_workers,
@@ -375,6 +388,8 @@ def _run_steps(config, accelerator, objective, optimizer, scheduler, parameters,
                 with open(output / METRICS, "a") as f:
                     f.write(json.dumps(last) + "\n")
                 progress.set_postfix(loss=f"{last['loss']:.4f}", lr=f"{last['lr']:.2e}")
+            if config.report_to:
+                accelerator.log(step_metrics(last), step=state.step)  # the trackers (main process only)
         if config.save_every and state.step % config.save_every == 0:
             save_checkpoint(accelerator, output, state, config, objective)
         if on_step is not None:
