@@ -269,8 +269,15 @@ def layered_settings(*layers: str | dict | None, explicit: dict | None = None) -
 
 
 def layered_config(*layers: str | dict | None, explicit: dict | None = None) -> DecodeConfig:
-    """The DecodeConfig of `layered_settings(*layers, explicit=explicit)`."""
-    return DecodeConfig(**layered_settings(*layers, explicit=explicit))
+    """The DecodeConfig of `layered_settings(*layers, explicit=explicit)`; every explicit field the strategy ignores
+    warns (IgnoredSetting), even one set to its default value."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", IgnoredSetting)
+        cfg = DecodeConfig(**layered_settings(*layers, explicit=explicit))
+    for name, value in (explicit or {}).items():
+        if value is not None and owner_of(name) not in (None, cfg.strategy):
+            warnings.warn(IgnoredSetting(ignored_message(name, value, cfg.strategy)), stacklevel=2)
+    return cfg
 
 
 # ------------------------------------------------------------------------------------------------------------

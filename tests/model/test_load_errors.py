@@ -44,3 +44,15 @@ def test_an_existing_text_file_is_not_a_model(tmp_path, capsys):
 
 def test_a_missing_path_still_says_it_does_not_exist(tmp_path, capsys):
     assert "does not exist" in _generate_error(tmp_path / "nothing-here", capsys)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_a_damaged_weights_file_is_one_line_naming_it(tiny_model_dir, tmp_path, capsys, damage):
+    model_dir = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model_dir)
+    weights = model_dir / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x00" * 64)
+    err = _generate_error(model_dir, capsys)
+    assert str(weights) in err and "Traceback" not in err
+    assert data != weights.read_bytes()  # reported, never rewritten

@@ -24,6 +24,10 @@ from refusion.decode.sequence import Forward, Program, Sequence
 from refusion.model.setup import ModelSetup, check_promise, setup_of
 
 
+class PromptTooLong(ValueError):
+    """A prompt plus the tokens asked for do not fit in the model's context."""
+
+
 @dataclass
 class Running:
     """A live sequence, its program, and the forward the program asked for."""
@@ -227,7 +231,7 @@ def validate_prompts(model, prompts: list[list[int]], cfg: DecodeConfig, mask_id
         if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt {i} holds token ids outside [0, {vocab})")
         if max_positions is not None and len(prompt) + new_tokens > max_positions:
-            raise ValueError(f"prompt {i} ({len(prompt)} tokens) + max_new_tokens={cfg.max_new_tokens} "
+            raise PromptTooLong(f"prompt {i} ({len(prompt)} tokens) + max_new_tokens={cfg.max_new_tokens} "
                              f"(canvas {new_tokens}) exceeds the model's context of {max_positions} positions")
 
 

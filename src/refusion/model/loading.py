@@ -190,8 +190,9 @@ def _build(source: Source, dtype: torch.dtype, attn_implementation: str):
             model = AutoModelForCausalLM.from_pretrained(
                 source.path, dtype=torch.float32 if source.adapter_dir else dtype,
                 attn_implementation=attn_implementation, **kwargs)
-    except OSError as e:
-        raise ValueError(f"could not load {source.path!r}: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # a missing, damaged or foreign file: one line naming it, not a loader's traceback
+        raise ValueError(f"could not load {_files_of(source)}: {type(e).__name__}: "
+                         f"{(str(e).splitlines() or [''])[0]}") from None
     _drop_gguf_quantizer(model)
     if source.adapter_dir is not None:
         from refusion.model.adapter import attach_adapter
@@ -199,6 +200,15 @@ def _build(source: Source, dtype: torch.dtype, attn_implementation: str):
         model = attach_adapter(source.adapter_dir, model, tokenizer)
         _cast_weights(model, dtype)
     return model, tokenizer
+
+
+def _files_of(source: Source) -> str:
+    """The file(s) a source's weights are read from, for an error message (the path itself when unknown)."""
+    if source.gguf_file:
+        return str(Path(source.path) / source.gguf_file)
+    base = Path(source.path)
+    files = sorted(str(p) for pattern in WEIGHT_PATTERNS for p in base.glob(pattern)) if base.is_dir() else []
+    return ", ".join(files) if files else repr(source.path)
 
 
 @torch.no_grad()

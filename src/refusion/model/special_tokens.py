@@ -15,6 +15,10 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")
 """Chat end-of-turn tokens: an EOS id when the tokenizer's chat template uses them."""
 
 
+class MissingMaskToken(ValueError):
+    """The strategy asked for feeds the model mask tokens and the model has none."""
+
+
 @dataclass(frozen=True)
 class SpecialTokens:
     """The token ids that decoding and training need, read from the model's configs and its tokenizer."""
@@ -44,7 +48,7 @@ class SpecialTokens:
         mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else self.mask_token_id
         eos_ids = self.eos_token_ids if cfg.eos_token_id is None else _as_ids(cfg.eos_token_id)
         if mask_id is None and cfg.uses_masks:
-            raise ValueError(f"mask_token_id is unknown: the model has no {MASK_TOKEN} token, which strategy "
+            raise MissingMaskToken(f"mask_token_id is unknown: the model has no {MASK_TOKEN} token, which strategy "
                              f"{cfg.strategy!r} needs. Pass DecodeConfig(mask_token_id=...), use "
                              "strategy='autoregressive' (or 'speculative' with draft_length=0), or turn the model "
                              "into a ReFusion model with `refusion train`")

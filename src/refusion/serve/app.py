@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from refusion.config import STRATEGIES, ConfigError, DecodeConfig
+from refusion.config import STRATEGIES, ConfigError, DecodeConfig, layered_settings, owner_of
 from refusion.serve.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
 from refusion.serve.scheduler import (
     DECODING_FAILED,
@@ -342,7 +342,9 @@ def _request_config(server: Server, body, prompt_length: int) -> DecodeConfig:
     if body.refusion is not None:
         changes.update(body.refusion.overrides())
     try:
-        cfg = server.config.replace(**changes)
+        settings = layered_settings(server.config.to_dict(), explicit=changes)
+        _refuse_ignored(changes, settings.get("strategy", server.config.strategy))
+        cfg = DecodeConfig(**settings)
     except ValueError as e:
         raise _config_error(e, None, None) from None
     if body.requested_tokens() is None:  # the server default may not fit after a long prompt: shorten it
@@ -359,18 +361,30 @@ def _fit_default_length(server: Server, cfg: DecodeConfig, prompt_length: int) -
     return cfg.replace(max_new_tokens=room) if 1 <= room < cfg.max_new_tokens else cfg
 
 
+def _refuse_ignored(changes: dict, strategy: str) -> None:
+    """A request's setting that its strategy never reads is a 400 naming it (a client cannot see a server's
+    warnings, so what the Python API and the CLI warn about, the server refuses)."""
+    for name, value in changes.items():
+        if owner_of(name) not in (None, strategy):
+            raise ConfigError(name, value, f"strategy={strategy!r} never reads it (only strategy={owner_of(name)!r} "
+                                           "does): leave it out")
+
+
 def _config_error(e: ValueError, prompt_param: str | None, too_long_param: str | None) -> ApiError:
-    """A DecodeConfig / engine ValueError as a 400 naming the request field (a ConfigError carries it)."""
+    """A DecodeConfig / engine ValueError as a 400 naming the request field, by the error's type."""
+    from refusion.decode.loop import PromptTooLong
+    from refusion.model.special_tokens import MissingMaskToken
+
     message = str(e).replace("max_new_tokens", "max_tokens")
     if isinstance(e, ConfigError):
         param = OPENAI_NAMES.get(e.field, f"refusion.{e.field}")
-    elif "mask_token_id is unknown" in str(e):
+    elif isinstance(e, MissingMaskToken):
         param = "refusion.strategy"
         message += " (this model can only be served with strategy 'autoregressive')"
+    elif isinstance(e, PromptTooLong):
+        param = too_long_param
     else:
         param = prompt_param
-    if "exceeds the model's context" in message:
-        param = too_long_param
     return ApiError(400, message, param=param)
 
 
