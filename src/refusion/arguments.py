@@ -21,6 +21,7 @@ from refusion.config import (
     parse_value,
     value_type,
 )
+from refusion.model.setup import LINEAR_KERNELS
 
 
 def add_dataclass_arguments(parser: argparse.ArgumentParser, cls, *, exclude=(), special: dict | None = None,
@@ -82,6 +83,20 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                                                       "it and on an AMX CPU, where rows are computed exactly; "
                                                       "else fp32 on the CPU)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    parser.add_argument("--linear", default="auto", choices=LINEAR_KERNELS,
+                        help="linear kernel: auto (chosen by measurement on this machine) or pinned: plain, packed "
+                             "(bf16 on an AMX CPU, row-exact), narrow (weight-major few-token products)")
+    parser.add_argument("--attention", default=None, metavar="IMPL",
+                        help="attention implementation: sdpa, eager or refusion_exact (default: refusion_exact for "
+                             "bf16 on an AMX CPU, else sdpa)")
+
+
+def load_from_args(args: argparse.Namespace, device=None):
+    """(model, tokenizer) of the model flags (`add_model_arguments`)."""
+    from refusion.model.loading import load
+
+    return load(args.model, dtype=args.dtype, device=device or args.device, attn_implementation=args.attention,
+                linear=args.linear)
 
 
 def add_decode_arguments(parser: argparse.ArgumentParser, *, exclude=(), preset: bool = True,

@@ -9,7 +9,12 @@ import json
 import os
 import sys
 
-from refusion.arguments import add_decode_arguments, add_model_arguments, decode_config_from_args
+from refusion.arguments import (
+    add_decode_arguments,
+    add_model_arguments,
+    decode_config_from_args,
+    load_from_args,
+)
 from refusion.data import BUILTIN_DATASETS
 
 
@@ -50,13 +55,13 @@ def run(args: argparse.Namespace) -> int:
     if any(not p.strip() for p in prompts):
         raise ValueError("empty prompt: give some text to respond to")
     from refusion.decode.loop import generate
-    from refusion.model.loading import encode_prompts, load
+    from refusion.model.loading import encode_prompts
 
     cfg = decode_config_from_args(args)  # validated before the model loads
     if args.trace:
         from refusion.viz.schema import check_writable
         check_writable(args.trace)
-    model, tokenizer = load(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer = load_from_args(args)
     input_ids = encode_prompts(tokenizer, prompts, chat=not args.no_chat, system=args.system)
     if args.show:
         from refusion.viz.terminal import LiveView
@@ -155,7 +160,7 @@ def run_file(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from refusion.decode.loop import Decoder
-    from refusion.model.loading import encode_prompts, load
+    from refusion.model.loading import encode_prompts
     from refusion.model.setup import setup_of
 
     if not (args.input and args.output):
@@ -172,7 +177,7 @@ def run_file(args: argparse.Namespace) -> int:
     if done >= len(prompts):
         print(f"{args.output} already holds {done} responses for {len(prompts)} prompts: nothing to do")
         return 0
-    model, tokenizer = load(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer = load_from_args(args)
     ids = encode_prompts(tokenizer, [prompt for _, prompt in prompts[done:]], chat=not args.no_chat, system=args.system)
     tokens = setup_of(model).special_tokens.for_decoding(cfg)
     decoder = Decoder(model)  # the cache grows (and compacts) as prompts come and go

@@ -120,9 +120,9 @@ def _check(settings, configs: bool = True) -> None:
 
 
 def _load_model(args: argparse.Namespace, processes):
-    from refusion.model.loading import load
-    device = args.device if args.device is not None else processes.device
-    return load(args.model, dtype=args.dtype, device=device)
+    from refusion.arguments import load_from_args
+
+    return load_from_args(args, device=args.device if args.device is not None else processes.device)
 
 
 def run_eval(args: argparse.Namespace) -> int:

@@ -20,8 +20,6 @@ import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
-
 from refusion.model.draft_table import TABLE_FILE, DraftTable
 from refusion.model.special_tokens import SpecialTokens, resolve_special_tokens
 
@@ -163,6 +161,8 @@ def check_promise(model, setup: ModelSetup, strategy: str) -> None:
     would have made it row-exact (so the weaker promise is never silent)."""
     if setup.prepared or setup.row_exact or strategy != "speculative" or model in _warned:
         return
+    import torch
+
     from refusion.model.row_exact import packing_available
 
     parameter = next(model.parameters(), None)

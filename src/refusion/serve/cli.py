@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 
-from refusion.arguments import add_decode_arguments, add_model_arguments, decode_config_from_args
+from refusion.arguments import (
+    add_decode_arguments,
+    add_model_arguments,
+    decode_config_from_args,
+    load_from_args,
+)
 
 SHUTDOWN_GRACE_SECONDS = 20.0
 """Default of --shutdown-grace: after SIGTERM, accepted requests have this long to finish. With the flush time
@@ -68,12 +73,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--shutdown-grace={args.shutdown_grace} is invalid: must be >= 0 seconds")
     import uvicorn
 
-    from refusion.model.loading import load
     from refusion.serve.app import create_app
     from refusion.serve.shutdown import FLUSH_SECONDS, GracefulServer
 
     cfg = decode_config_from_args(args)  # validated before the model loads
-    model, tokenizer = load(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer = load_from_args(args)
     set_cpu_threads(model, args.threads)
     app = create_app(model, tokenizer, config=cfg, model_name=args.served_model_name or served_name(args.model),
                      max_batch_size=args.max_batch_size, max_queue=args.max_queue)
