@@ -17,10 +17,11 @@ import itertools
 import json
 import platform
 import time
+import warnings
 
 import torch
 
-from refusion.config import DecodeConfig, preset
+from refusion.config import DecodeConfig, IgnoredSetting, preset
 from refusion.decode.loop import generate
 from refusion.decode.outputs import add_counts
 from refusion.eval.tasks import load_examples
@@ -45,6 +46,8 @@ def modes(base: DecodeConfig, draft_lengths: list[int], draft_thresholds: list[f
 
 
 def main() -> None:
+    # the base config holds the settings of every mode it derives (a preset tunes several strategies)
+    warnings.filterwarnings("ignore", category=IgnoredSetting)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model path or name (default: the embedded model)")
     parser.add_argument("--prompts", type=int, default=30)

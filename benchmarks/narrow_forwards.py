@@ -18,12 +18,13 @@ import json
 import platform
 import statistics
 import time
+import warnings
 
 import torch
 from torch import nn
 from transformers import DynamicCache
 
-from refusion.config import DecodeConfig, preset
+from refusion.config import DecodeConfig, IgnoredSetting, preset
 from refusion.data import boxed_prompt, default_data_dir, read_jsonl
 from refusion.decode.cache import cache_keyword
 from refusion.decode.loop import generate
@@ -105,6 +106,8 @@ def decoding(model, layers, kinds: Kinds, prompts: list[list[int]], configs: dic
 
 
 def main() -> None:
+    # the base config holds the settings of every mode it derives (a preset tunes several strategies)
+    warnings.filterwarnings("ignore", category=IgnoredSetting)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model path or name (default: the embedded model)")
     parser.add_argument("--prompts", type=int, default=3)

@@ -221,8 +221,8 @@ def ignored_message(name: str, value, strategy: str) -> str:
 
 # Named decoding presets: the paper's per-task settings (docs/DECODING.md, "Settings"), the demo setting, and the embedded
 # model's own (`refusion.default_decode_settings()`): the exact mode, which was the fastest on it in
-# benchmarks/decode_modes.py (docs/BENCHMARKS.md), with the plan-and-infill settings a GSM8K sweep picked for
-# `--strategy refusion`.
+# benchmarks/decode_modes.py, with the plan-and-infill settings a GSM8K sweep picked for `--strategy refusion`. A
+# preset may hold the settings of several strategies: `DecodeConfig.from_preset` keeps those of the strategy chosen.
 PRESETS: dict[str, dict] = {
     "demo": dict(slot_size=4, slot_threshold=0.6, token_threshold=0.3, block_size=16),
     "mmlu_pro": dict(slot_size=16, slot_threshold=0.9, token_threshold=0.4, block_size=128),
@@ -233,11 +233,10 @@ PRESETS: dict[str, dict] = {
     "humaneval": dict(slot_size=32, slot_threshold=0.9, token_threshold=0.4, block_size=128),
     "mbpp": dict(slot_size=32, slot_threshold=0.9, token_threshold=0.3, block_size=128),
     # the exact mode drafting from the text (prompt lookup, up to 8 copied tokens) and, when there is nothing to
-    # copy, from the model's draft table (up to 16 tokens), without masks: in row-exact bf16 on a 2-core AMX CPU a
-    # forward with masks costs 1.3x one without (the adapter at the mask rows) and the masks' drafts added 0.02
-    # tokens per forward, so they cost more than they gave (docs/BENCHMARKS.md, "Row-exact bf16"); for plan and
-    # infill, the fastest of a k x tau_slot sweep of v2 (docs/BENCHMARKS.md, "Plan-and-infill settings of
-    # refusion-smol v2")
+    # copy, from the model's draft table (up to 16 tokens), without masks: on a 2-core AMX CPU the masks' drafts cost
+    # more than they gave (docs/BENCHMARKS.md, Current results: *Masks' drafts in the exact mode*); for plan and
+    # infill, the fastest of a k x tau_slot sweep (*Plan and infill on refusion-smol*). Both were chosen on the
+    # tuning prompts that BENCHMARKS.md names under "Prompts".
     "refusion-smol": dict(strategy="speculative", draft_length=0, predraft=False, lookup_length=8, table_length=16,
                           slot_size=2, slot_threshold=0.5, token_threshold=0.3, block_size=16),
 }

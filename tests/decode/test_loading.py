@@ -92,7 +92,7 @@ def test_embedded_model_loads_offline_and_answers_with_its_preset():
     settings = refusion.default_decode_settings()
     assert settings == refusion.preset(embedded.PRESET_NAME)
     ids = refusion.encode_prompts(tokenizer, ["Write a Python function that returns the square of a number."])  # the README's prompt
-    out = refusion.generate(model, ids, refusion.DecodeConfig(**{**settings, "max_new_tokens": 128}))
+    out = refusion.generate(model, ids, refusion.DecodeConfig.from_preset(embedded.PRESET_NAME, max_new_tokens=128))
     stats = out.stats.per_sequence[0]
     assert stats.finish_reason == "eos" and stats.tokens > 1  # a complete answer, ended by <|im_end|>
     assert out.sequences[0][-1] == tokenizer.convert_tokens_to_ids("<|im_end|>")

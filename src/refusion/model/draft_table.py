@@ -7,10 +7,9 @@ n tokens (n in `orders`, 4, 3, 2 and 1 by default) seen at least `min_count` tim
 followed it and how often it did. Drafting walks the table greedily, each step from the longest run of the
 text's last tokens that the table knows (a run of 4 says more than a run of 2 when there is one, and a single
 token is the last resort): the token after them, then the token after the new last tokens, and so on, while the
-product of the followers' frequencies stays at or above `min_confidence`. On held-out GSM8K answers of
-refusion-smol, runs of 4, 3 and 2 drafted 2.39 tokens per forward where runs of 3 alone drafted 2.27, and adding
-single tokens raised the exact mode's speed by 1-2 % more (docs/BENCHMARKS.md, "The draft table", "Single tokens
-in the draft table").
+product of the followers' frequencies stays at or above `min_confidence`. Longer runs, and single tokens as the last
+resort, each drafted more per forward than without them on refusion-smol's GSM8K tuning prompts (docs/BENCHMARKS.md,
+Current results: *Draft table*; the prompts are named in its "Prompts" section).
 
 Drafts from the table are verified like copied ones (`speculate.copied_drafts`): AR decoding still decides
 every token, so the table never changes the output, only how many tokens a forward commits.
