@@ -116,3 +116,10 @@ def test_a_non_empty_directory_that_is_not_a_run_is_refused(tmp_path, tiny_dir, 
     assert code == 2 and lines[-1].startswith("refusion train: error:") and "holds no refusion training run" in lines[-1]
     assert sorted(p.name for p in out.iterdir()) == sorted(foreign)  # nothing written, nothing changed
     assert all((out / name).read_text() == text for name, text in foreign.items())
+
+
+@pytest.mark.parametrize("field, value", [("lr", float("nan")), ("lr", True), ("mdm_weight", float("inf")),
+                                          ("epochs", False), ("lora_dropout", float("nan")), ("max_steps", True)])
+def test_numbers_are_finite_and_never_bools(field, value):
+    with pytest.raises(ValueError, match=f"^{field}="):
+        TrainConfig(model="m", data=("d",), output="o", **{field: value})

@@ -6,6 +6,7 @@ The CLI flags and the recipe YAML keys are these field names (``--grad-accum`` s
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from refusion.config import field_docs
@@ -26,6 +27,11 @@ def _require(ok: bool, field: str, value, allowed: str) -> None:
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    """A finite int or float, not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -181,7 +187,7 @@ class TrainConfig:
                  f"give either max_steps or epochs, not both (epochs={self.epochs})")
         _require(self.max_steps is None or (_is_int(self.max_steps) and self.max_steps >= 1),
                  "max_steps", self.max_steps, "must be an integer >= 1")
-        _require(self.epochs is None or (isinstance(self.epochs, (int, float)) and self.epochs > 0),
+        _require(self.epochs is None or (_is_number(self.epochs) and self.epochs > 0),
                  "epochs", self.epochs, "must be > 0")
         for name in ("batch_size", "grad_accum", "max_length", "log_every"):
             value = getattr(self, name)
@@ -189,17 +195,17 @@ class TrainConfig:
         for name in ("warmup_steps", "save_every", "num_workers", "seed"):
             value = getattr(self, name)
             _require(_is_int(value) and value >= 0, name, value, "must be an integer >= 0")
-        _require(isinstance(self.lr, (int, float)) and self.lr > 0, "lr", self.lr, "must be > 0")
+        _require(_is_number(self.lr) and self.lr > 0, "lr", self.lr, "must be > 0")
         for name in ("weight_decay", "max_grad_norm"):
             value = getattr(self, name)
-            _require(isinstance(value, (int, float)) and value >= 0, name, value, "must be >= 0")
+            _require(_is_number(value) and value >= 0, name, value, "must be >= 0")
 
     def _validate_objective(self) -> None:
         _require(self.objective in OBJECTIVES, "objective", self.objective, f"must be one of {', '.join(OBJECTIVES)}")
         _require(isinstance(self.slot_sizes, tuple) and len(self.slot_sizes) > 0
                  and all(_is_int(k) and k >= 1 for k in self.slot_sizes),
                  "slot_sizes", self.slot_sizes, "must be a non-empty list of integers >= 1")
-        _require(isinstance(self.mdm_weight, (int, float)) and self.mdm_weight >= 0, "mdm_weight", self.mdm_weight,
+        _require(_is_number(self.mdm_weight) and self.mdm_weight >= 0, "mdm_weight", self.mdm_weight,
                  "must be >= 0")
         _require(_is_int(self.eos_slots) and self.eos_slots >= 0, "eos_slots", self.eos_slots,
                  "must be an integer >= 0")
@@ -208,9 +214,9 @@ class TrainConfig:
         _require(self.mixed_precision in MIXED_PRECISION, "mixed_precision", self.mixed_precision,
                  f"must be one of {', '.join(MIXED_PRECISION)}")
         _require(_is_int(self.lora_rank) and self.lora_rank >= 1, "lora_rank", self.lora_rank, "must be an integer >= 1")
-        _require(isinstance(self.lora_alpha, (int, float)) and self.lora_alpha > 0, "lora_alpha", self.lora_alpha,
+        _require(_is_number(self.lora_alpha) and self.lora_alpha > 0, "lora_alpha", self.lora_alpha,
                  "must be > 0")
-        _require(isinstance(self.lora_dropout, (int, float)) and 0 <= self.lora_dropout < 1,
+        _require(_is_number(self.lora_dropout) and 0 <= self.lora_dropout < 1,
                  "lora_dropout", self.lora_dropout, "must be in [0, 1)")
         _require(self.lora_init is None or self.lora, "lora_init", self.lora_init, "needs --lora")
         _require(self.lora_gate in LORA_GATES, "lora_gate", self.lora_gate, f"must be one of {', '.join(LORA_GATES)}")
