@@ -293,4 +293,5 @@ def generate(model, input_ids, cfg: DecodeConfig | None = None, *, attention_mas
     batch = decoder.stats
     batch.seconds = time.perf_counter() - start
     stats = GenerationStats([s.stats for s in seqs], batch)
-    return GenerationOutput(sequences, stats, [s.rounds for s in seqs] if trace else None)
+    logprobs = [s.response_logprobs() for s in seqs] if cfg.logprobs is not None else None
+    return GenerationOutput(sequences, stats, [s.rounds for s in seqs] if trace else None, logprobs)
