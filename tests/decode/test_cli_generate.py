@@ -28,6 +28,14 @@ def test_generate_json_and_stats(model_dir, capsys):
     assert out.count("tokens/forward 1.00") == 2 and "--- [1] bye" in out
 
 
+def test_generate_json_carries_logprobs(model_dir, capsys):
+    assert main(["generate", "hi", "--model", model_dir, "--max-new-tokens", "6", "--strategy", "autoregressive",
+                 "--dtype", "float32", "--logprobs", "2", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert [lp["token"] for lp in record["logprobs"]] == record["token_ids"]
+    assert all(len(lp["top"]) == 2 and lp["top"][0][0] == lp["token"] for lp in record["logprobs"])
+
+
 def test_preset_then_flags_override(model_dir, capsys):
     assert main(["generate", "x", "--model", model_dir, "--preset", "demo", "--max-new-tokens", "8",
                  "--slot-size", "2", "--json"]) == 0

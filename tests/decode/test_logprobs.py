@@ -96,8 +96,10 @@ def test_greedy_token_tops_its_sorted_alternatives_and_batch_equals_alone(strate
 def test_off_by_default_and_zero_reports_the_token_alone():
     model = tiny_model("qwen3")
     assert refusion.generate(model, PROMPTS[:1], max_new_tokens=8).logprobs is None
-    out = refusion.generate(model, PROMPTS[:1], max_new_tokens=8, strategy="autoregressive", logprobs=0)
-    assert len(out.logprobs[0]) == len(out.sequences[0]) and all(lp.top == [] for lp in out.logprobs[0])
+    for strategy in ("autoregressive", "speculative", "refusion"):
+        out = refusion.generate(model, PROMPTS, max_new_tokens=8, strategy=strategy, logprobs=0)
+        for sequence, logprobs in zip(out.sequences, out.logprobs):
+            assert [lp.token for lp in logprobs] == sequence and all(lp.top == [] for lp in logprobs)
 
 
 @pytest.mark.parametrize("value", [-1, 21, True, 2.0, "3"])

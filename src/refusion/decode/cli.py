@@ -73,8 +73,11 @@ def run(args: argparse.Namespace) -> int:
         text = tokenizer.decode(tokens, skip_special_tokens=True)
         stats = out.stats.per_sequence[i]
         if args.json:
-            print(json.dumps({"prompt": prompt, "text": text, "token_ids": tokens,
-                              "stats": stats.to_dict(), "config": dataclasses.asdict(cfg)}))
+            record = {"prompt": prompt, "text": text, "token_ids": tokens, "stats": stats.to_dict(),
+                      "config": dataclasses.asdict(cfg)}
+            if out.logprobs is not None:
+                record["logprobs"] = [dataclasses.asdict(lp) for lp in out.logprobs[i]]
+            print(json.dumps(record))
             continue
         if len(prompts) > 1:
             print(f"--- [{i}] {prompt}")

@@ -42,9 +42,10 @@ class TokenLogprobs:
 
     def reshape(self, *shape: int) -> TokenLogprobs:
         """Leading dims reshaped to `shape` (the top-k dim stays last)."""
-        k = self.top_ids.shape[-1]
-        return TokenLogprobs(self.tokens.reshape(shape), self.logprobs.reshape(shape),
-                             self.top_ids.reshape(*shape, k), self.top_logprobs.reshape(*shape, k))
+        tokens = self.tokens.reshape(shape)
+        top_shape = (*tokens.shape, self.top_ids.shape[-1])  # explicit: -1 is ambiguous when k is 0
+        return TokenLogprobs(tokens, self.logprobs.reshape(shape), self.top_ids.reshape(top_shape),
+                             self.top_logprobs.reshape(top_shape))
 
     @staticmethod
     def where(choose: torch.Tensor, a: TokenLogprobs, b: TokenLogprobs) -> TokenLogprobs:
