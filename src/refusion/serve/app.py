@@ -326,9 +326,32 @@ def _build_jobs(server: Server, body, prompts: list[list[int]], emits) -> list[J
             raise _config_error(e, prompt_param, too_long_param) from None
         if body.refusion is not None and body.refusion.ignore_eos:
             eos_ids = []
+        grammar = _response_grammar(server, body, cfg, eos_ids)
         for index in range(p * n, (p + 1) * n):
-            jobs.append(Job(prompt, cfg, mask_id, eos_ids, emits[index], stops=body.stop_strings(), index=index))
+            jobs.append(Job(prompt, cfg, mask_id, eos_ids, emits[index], stops=body.stop_strings(), index=index,
+                            grammar=grammar))
     return jobs
+
+
+def _response_grammar(server: Server, body, cfg: DecodeConfig, eos_ids: list[int]):
+    """The compiled grammar of the request's response_format (None for none or "text"); a strategy that cannot
+    honour it, or a schema the grammar engine cannot compile, is a 400 naming the field."""
+    if body.response_format is None or body.response_format.type == "text":
+        return None
+    try:
+        from refusion.decode.grammar import ResponseGrammar, UnsupportedStrategy, check_strategy
+    except ImportError:  # pragma: no cover - the serve extra installs it
+        raise ApiError(400, "response_format needs llguidance (pip install 'refusion[serve]')",
+                       param="response_format") from None
+    try:
+        check_strategy(cfg.strategy)
+        vocab_size = server.model.config.get_text_config().vocab_size
+        with server.scheduler.tokenizer_lock:
+            return ResponseGrammar.compile(server.tokenizer, body.response_format.as_dict(), vocab_size, eos_ids)
+    except UnsupportedStrategy as e:
+        raise ApiError(400, str(e), param="refusion.strategy") from None
+    except (ValueError, ImportError) as e:
+        raise ApiError(400, str(e), param="response_format") from None
 
 
 def _request_config(server: Server, body, prompt_length: int) -> DecodeConfig:

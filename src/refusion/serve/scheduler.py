@@ -125,6 +125,8 @@ class Job:
     """None: the decoder makes the sequence's own (seeded with config.seed + index at temperature > 0)."""
     index: int = 0
     """Position of the prompt in its request (its seed offset)."""
+    grammar: object | None = None
+    """The response's structured-output grammar (`refusion.decode.grammar.ResponseGrammar`), or None."""
     submitted: float = field(default_factory=time.perf_counter)
     # scheduler state
     seq: Sequence | None = None
@@ -372,7 +374,8 @@ class Scheduler:
     def _admit(self, job: Job) -> None:
         try:
             job.seq = self.decoder.add(job.prompt, job.config, mask_token_id=job.mask_token_id,
-                                       eos_token_ids=job.eos_token_ids, generator=job.generator, index=job.index)
+                                       eos_token_ids=job.eos_token_ids, generator=job.generator, index=job.index,
+                                       grammar=job.grammar)
         except Exception as e:
             log.exception("could not start a sequence")
             self._fail(job, f"could not start decoding: {type(e).__name__}: {e}")

@@ -103,6 +103,31 @@ class UnsupportedValue(ValueError):
         self.param = param
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str | None = None
+    schema_: dict = Field(alias="schema", description="the JSON schema the response follows")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise UnsupportedValue("response_format", "response_format needs json_schema exactly when its type is "
+                                                      "\"json_schema\"")
+        return self
+
+    def as_dict(self) -> dict:
+        """The engine's response_format (`refusion.generate`)."""
+        if self.json_schema is None:
+            return {"type": self.type}
+        return {"type": self.type, "json_schema": {"name": self.json_schema.name, "schema": self.json_schema.schema_}}
+
+
 class _Generation(_Neutral):
     model: str
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT, description="most tokens to generate")
@@ -113,6 +138,7 @@ class _Generation(_Neutral):
     stop: str | list[str] | None = Field(None, description="up to 4 strings that end the text (not included)")
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
     refusion: RefusionOptions | None = None
 
     @model_validator(mode="after")

@@ -102,7 +102,9 @@ def speculative_program(seq: Sequence) -> Program:
     request, layout = DraftingLayout.prefill(seq, draft_masks(prompt_length - 1))
     logits = yield request
     seq.commit(seq.prompt, torch.arange(prompt_length, device=device))
-    token = next_token(layout.chain_logits(logits)[0], cfg.temperature, seq.generator)  # the token at `position`
+    first = layout.chain_logits(logits)[0]
+    allowed = first if seq.grammar is None else seq.grammar.mask(first)  # structured output
+    token = next_token(allowed, cfg.temperature, seq.generator)  # the token at `position`
     token_logprobs = seq.logprobs_of(layout.chain_logits(logits)[:1], token)  # None unless cfg.logprobs
     drafts = drafts_from(layout.draft_logits(logits, 0))
     position, phases = prompt_length, {"prefill": 1}  # the first round also accounts for the prefill
@@ -121,6 +123,9 @@ def speculative_program(seq: Sequence) -> Program:
         if copied:
             drafts = copied_drafts(copied, logits.shape[-1], cfg.temperature, device)
         drafts = drafts[: end - 1 - position]
+        if seq.grammar is not None:  # structured output: verify only drafts the grammar allows after the token
+            seq.grammar.consume(token.tolist())
+            drafts = drafts[: seq.grammar.valid_prefix(drafts.tokens.tolist())]
         n = drafts.tokens.numel()
         chain = torch.cat([token, drafts.tokens])
         # a forward that verifies a copy carries no masks: the copy usually goes on, and without mask rows the
@@ -130,7 +135,12 @@ def speculative_program(seq: Sequence) -> Program:
         request, layout = DraftingLayout.verify(seq, chain, position, branches)
         logits = yield request
 
-        accepted, following = accept_drafts(drafts, layout.chain_logits(logits), cfg.temperature, seq.generator)
+        verifying = layout.chain_logits(logits)
+        if seq.grammar is not None:  # each row masked by the grammar state after the chain tokens before it
+            verifying = seq.grammar.mask_chain(verifying, drafts.tokens.tolist())
+        accepted, following = accept_drafts(drafts, verifying, cfg.temperature, seq.generator)
+        if seq.grammar is not None:
+            seq.grammar.consume(drafts.tokens[:accepted].tolist())
         tokens = chain[: accepted + 1]
         # logprobs: the next token's from the forward that decided it, each accepted draft's and the following
         # token's from this forward's AR rows (row i predicts chain token i + 1)
