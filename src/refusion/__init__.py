@@ -1,12 +1,12 @@
 """refusion: slot-level plan-and-infill decoding with full KV reuse for RoPE causal LMs."""
 
 from refusion.config import PRESETS, DecodeConfig, preset
-from refusion.decode.outputs import GenerationOutput, GenerationStats, RoundTrace, SequenceStats
+from refusion.decode.outputs import GenerationOutput, GenerationStats, RoundTrace, SequenceStats, TokenLogprob
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DecodeConfig", "GenerationOutput", "GenerationStats", "RoundTrace", "SequenceStats", "PRESETS",
+    "DecodeConfig", "GenerationOutput", "GenerationStats", "RoundTrace", "SequenceStats", "TokenLogprob", "PRESETS",
     "preset", "load", "generate", "encode_prompts", "default_decode_settings", "prepare", "setup_of", "ModelSetup",
 ]
 

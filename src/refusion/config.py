@@ -26,6 +26,8 @@ STRATEGY_FIELDS: dict[str, tuple[str, ...]] = {
     "speculative": ("draft_length", "draft_threshold", "lookup_length", "table_length", "predraft"),
 }
 """DecodeConfig fields that one strategy alone reads; every other field is read by every strategy."""
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives `DecodeConfig.logprobs` may ask for per token (OpenAI's bound on `top_logprobs`)."""
 MIN_TEMPERATURE = 1e-4
 """The smallest sampling temperature (0 is greedy): logits divided by less can overflow to inf."""
 
@@ -80,6 +82,10 @@ class DecodeConfig:
     seed: int | None = None
     """Seed of the sampling generator (sequence i of a batch uses seed + i). Unused at temperature 0."""
 
+    logprobs: int | None = None
+    """Record each response token's log-probability (the model's distribution it was committed from, at temperature
+    1) and the `logprobs` most likely alternatives (0: the token's alone; at most 20); None: off (no cost)."""
+
     strategy: str = "refusion"
     """"refusion" (the paper's plan and infill), "speculative" (masked drafts verified by the model's own AR
     predictions: output identical to "autoregressive") or "autoregressive" (one token per forward, the baseline)."""
@@ -133,6 +139,8 @@ class DecodeConfig:
         _require(_is_number(self.temperature) and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE),
                  "temperature", self.temperature, f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}")
         _require(self.seed is None or _is_int(self.seed), "seed", self.seed, "must be an integer or None")
+        _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
+                 "logprobs", self.logprobs, f"must be None (off) or an integer in [0, {MAX_TOP_LOGPROBS}]")
         _require(isinstance(self.strategy, str) and self.strategy in STRATEGIES, "strategy", self.strategy,
                  f"must be one of {', '.join(STRATEGIES)}")
         for name in ("draft_length", "lookup_length", "table_length"):

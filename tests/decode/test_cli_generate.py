@@ -28,6 +28,26 @@ def test_generate_json_and_stats(model_dir, capsys):
     assert out.count("tokens/forward 1.00") == 2 and "--- [1] bye" in out
 
 
+def test_generate_json_carries_logprobs(model_dir, capsys):
+    assert main(["generate", "hi", "--model", model_dir, "--max-new-tokens", "6", "--strategy", "autoregressive",
+                 "--dtype", "float32", "--logprobs", "2", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert [lp["token"] for lp in record["logprobs"]] == record["token_ids"]
+    assert all(len(lp["top"]) == 2 and lp["top"][0][0] == lp["token"] for lp in record["logprobs"])
+
+
+def test_generate_json_schema_constrains_the_answer(model_dir, tmp_path, capsys):
+    pytest.importorskip("llguidance")
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"enum": ["yes", "no"]}))
+    for strategy in ("autoregressive", "speculative"):
+        assert main(["generate", "is it?", "--model", model_dir, "--max-new-tokens", "12", "--strategy", strategy,
+                     "--dtype", "float32", "--json-schema", str(schema), "--json"]) == 0
+        assert json.loads(json.loads(capsys.readouterr().out)["text"]) in ("yes", "no")
+    assert main(["generate", "is it?", "--model", model_dir, "--json-schema", str(schema)]) != 0
+    assert "strategy 'refusion'" in capsys.readouterr().err
+
+
 def test_preset_then_flags_override(model_dir, capsys):
     assert main(["generate", "x", "--model", model_dir, "--preset", "demo", "--max-new-tokens", "8",
                  "--slot-size", "2", "--json"]) == 0

@@ -37,6 +37,9 @@ def add_parser(subparsers) -> None:
     add_decode_arguments(p)
     p.add_argument("--no-chat", action="store_true", help="feed the prompt as is, without the chat template")
     p.add_argument("--system", default=None, help="system message for the chat template")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="constrain every response to JSON following the schema in FILE (strategy speculative or "
+                        "autoregressive; needs llguidance)")
     p.add_argument("--stats", action="store_true", help="print tokens, forwards, tokens/forward and tokens/s")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.add_argument("--trace", metavar="PATH", default=None,
@@ -63,13 +66,19 @@ def run(args: argparse.Namespace) -> int:
         check_writable(args.trace)
     model, tokenizer = load_from_args(args)
     input_ids = encode_prompts(tokenizer, prompts, chat=not args.no_chat, system=args.system)
+    structured = {}
+    if args.json_schema:
+        with open(args.json_schema) as f:
+            schema = json.load(f)
+        structured = dict(response_format={"type": "json_schema", "json_schema": {"name": "cli", "schema": schema}},
+                          tokenizer=tokenizer)
     if args.show:
         from refusion.viz.terminal import LiveView
         with LiveView(tokenizer, prompts) as view:
-            out = generate(model, input_ids, cfg, trace=bool(args.trace), on_round=view)
+            out = generate(model, input_ids, cfg, trace=bool(args.trace), on_round=view, **structured)
             view.finish(out)
     else:
-        out = generate(model, input_ids, cfg, trace=bool(args.trace))
+        out = generate(model, input_ids, cfg, trace=bool(args.trace), **structured)
     if args.trace:
         from refusion.viz.schema import build_trace, save_trace
         doc = build_trace(out, tokenizer, prompts, input_ids, cfg, model=args.model or "(embedded)")
@@ -78,8 +87,11 @@ def run(args: argparse.Namespace) -> int:
         text = tokenizer.decode(tokens, skip_special_tokens=True)
         stats = out.stats.per_sequence[i]
         if args.json:
-            print(json.dumps({"prompt": prompt, "text": text, "token_ids": tokens,
-                              "stats": stats.to_dict(), "config": dataclasses.asdict(cfg)}))
+            record = {"prompt": prompt, "text": text, "token_ids": tokens, "stats": stats.to_dict(),
+                      "config": dataclasses.asdict(cfg)}
+            if out.logprobs is not None:
+                record["logprobs"] = [dataclasses.asdict(lp) for lp in out.logprobs[i]]
+            print(json.dumps(record))
             continue
         if len(prompts) > 1:
             print(f"--- [{i}] {prompt}")

@@ -18,6 +18,7 @@ import torch
 
 from refusion.config import DecodeConfig, layered_config
 from refusion.decode.cache import PADDING, SlotCache, attention_mask_dtype, attention_windows, cache_keyword
+from refusion.decode.grammar import ResponseGrammar, check_strategy
 from refusion.decode.outputs import BatchStats, GenerationOutput, GenerationStats, RoundTrace
 from refusion.decode.programs import start_program
 from refusion.decode.sequence import Forward, Program, Sequence
@@ -57,17 +58,21 @@ class Decoder:
 
     def add(self, prompt: list[int], cfg: DecodeConfig, *, mask_token_id: int | None, eos_token_ids: list[int],
             generator: torch.Generator | None = None, index: int = 0, trace: bool = False,
-            on_round: Callable[[Sequence, RoundTrace], None] | None = None) -> Sequence:
-        """Start decoding a prompt; it joins the batch at the next step.
+            on_round: Callable[[Sequence, RoundTrace], None] | None = None,
+            grammar: ResponseGrammar | None = None) -> Sequence:
+        """Start decoding a prompt; it joins the batch at the next step. `grammar`: the response's structured-output
+        grammar (AR and exact mode only; `ResponseGrammar.compile`), or None.
 
         The prompt is validated here (a bad one raises before any forward). At temperature > 0 without a
         generator, the sequence gets its own: seeded with cfg.seed + index, or at random when cfg.seed is None.
         """
         validate_prompts(self.model, [prompt], cfg, mask_token_id, first_index=index)
+        if grammar is not None:
+            check_strategy(cfg.strategy)
         generator = sequence_generator(cfg, index, generator, self.device)
         seq = Sequence(self._next_id, prompt, cfg, mask_token_id=mask_token_id, eos_token_ids=eos_token_ids,
                        cache=self.cache, device=self.device, generator=generator, trace=trace, on_round=on_round,
-                       draft_table=self.setup.draft_table)
+                       draft_table=self.setup.draft_table, grammar=None if grammar is None else grammar.state())
         self._next_id += 1
         program = start_program(seq)
         self.live[seq.id] = Running(seq, program, next(program))
@@ -172,6 +177,19 @@ def check_generate_arguments(model, cfg, trace, generator, setup, on_round) -> D
     return cfg or DecodeConfig()
 
 
+def response_grammar(model, cfg: DecodeConfig, response_format: dict | None, tokenizer,
+                     eos_ids: list[int]) -> ResponseGrammar | None:
+    """The compiled grammar of `generate`'s response_format (None for none or text), after checking that the
+    strategy can honour it and that the tokenizer is given."""
+    if response_format is None:
+        return None
+    if tokenizer is None:
+        raise ValueError("response_format needs tokenizer=... (the model's) to build the grammar's tokens")
+    check_strategy(cfg.strategy)
+    vocab_size = model.config.get_text_config().vocab_size
+    return ResponseGrammar.compile(tokenizer, response_format, vocab_size, eos_ids)
+
+
 def normalize_prompts(input_ids, attention_mask=None) -> list[list[int]]:
     """A (B, P) tensor, a list of id lists (ragged batch) or one list of ids -> list of id lists.
 
@@ -250,7 +268,8 @@ def sequence_generator(cfg: DecodeConfig, index: int, generator: torch.Generator
 @torch.inference_mode()
 def generate(model, input_ids, cfg: DecodeConfig | None = None, *, attention_mask=None, trace: bool = False,
              generator: torch.Generator | None = None, setup: ModelSetup | None = None,
-             on_round: Callable[[Sequence, RoundTrace], None] | None = None, **overrides) -> GenerationOutput:
+             on_round: Callable[[Sequence, RoundTrace], None] | None = None, response_format: dict | None = None,
+             tokenizer=None, **overrides) -> GenerationOutput:
     """Decode a batch of prompts with ReFusion plan-and-infill (or the AR baseline).
 
     Args:
@@ -266,6 +285,11 @@ def generate(model, input_ids, cfg: DecodeConfig | None = None, *, attention_mas
             None: `setup_of(model)`, the one `refusion.load` / `refusion.prepare` attached, or for a plain
             transformers model its tokens resolved from its configs. `cfg.mask_token_id` and `cfg.eos_token_id`,
             when set, replace its mask and EOS ids.
+        response_format: structured output, as OpenAI's: `{"type": "json_object"}` or `{"type": "json_schema",
+            "json_schema": {"name": ..., "schema": {...}}}` (`{"type": "text"}` or None: free text). Every
+            response is then constrained to the grammar and ends with EOS once it is complete (docs/DECODING.md,
+            "Structured output"); strategy "speculative" or "autoregressive" only (ValueError for "refusion").
+            Needs `tokenizer`, the model's.
     """
     cfg = check_generate_arguments(model, cfg, trace, generator, setup, on_round)
     if overrides:  # the overrides are what this call set: fields the resulting strategy ignores warn
@@ -277,6 +301,7 @@ def generate(model, input_ids, cfg: DecodeConfig | None = None, *, attention_mas
         reject_padding(input_ids, tokens.pad_token_id)
     prompts = normalize_prompts(input_ids, attention_mask)
     mask_id, eos_ids = tokens.mask_token_id, list(tokens.eos_token_ids)
+    grammar = response_grammar(model, cfg, response_format, tokenizer, eos_ids)
     was_training = model.training
     model.eval()
     start = time.perf_counter()
@@ -284,7 +309,7 @@ def generate(model, input_ids, cfg: DecodeConfig | None = None, *, attention_mas
         decoder = Decoder(model, capacity=max(map(len, prompts)) + cfg.canvas_length + 2 * cfg.block_size,
                           setup=setup)
         seqs = [decoder.add(p, cfg, mask_token_id=mask_id, eos_token_ids=eos_ids, generator=generator, index=i,
-                            trace=trace, on_round=on_round)
+                            trace=trace, on_round=on_round, grammar=grammar)
                 for i, p in enumerate(prompts)]
         decoder.run()
     finally:
@@ -293,4 +318,5 @@ def generate(model, input_ids, cfg: DecodeConfig | None = None, *, attention_mas
     batch = decoder.stats
     batch.seconds = time.perf_counter() - start
     stats = GenerationStats([s.stats for s in seqs], batch)
-    return GenerationOutput(sequences, stats, [s.rounds for s in seqs] if trace else None)
+    logprobs = [s.response_logprobs() for s in seqs] if cfg.logprobs is not None else None
+    return GenerationOutput(sequences, stats, [s.rounds for s in seqs] if trace else None, logprobs)

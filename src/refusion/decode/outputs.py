@@ -145,6 +145,20 @@ class GenerationStats:
         return {"per_sequence": [s.to_dict() for s in self.per_sequence], "batch": self.batch.to_dict()}
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One response token's log-probability, and the most likely tokens of the distribution it was committed
+    from (what `GenerationOutput.logprobs` holds)."""
+
+    token: int
+    """The committed token id."""
+    logprob: float
+    """Its log-probability."""
+    top: list[tuple[int, float]]
+    """(token id, log-probability) of the `DecodeConfig.logprobs` most likely tokens, most likely first
+    (empty when `logprobs=0`)."""
+
+
 @dataclass
 class GenerationOutput:
     """Result of `refusion.generate`."""
@@ -155,3 +169,7 @@ class GenerationOutput:
     stats: GenerationStats
     traces: list[list[RoundTrace]] | None = field(default=None)
     """Per sequence, the rounds of decoding (only when `trace=True`)."""
+    logprobs: list[list[TokenLogprob]] | None = field(default=None)
+    """Per sequence, one entry per token of `sequences[i]` (aligned with it): the token's log-probability and the
+    top alternatives of the distribution it was committed from (only when `DecodeConfig.logprobs` is set;
+    docs/DECODING.md, "Logprobs")."""

@@ -17,7 +17,9 @@ import torch
 
 from refusion.config import DecodeConfig
 from refusion.decode.cache import SlotCache
+from refusion.decode.grammar import GrammarState
 from refusion.decode.infill import cut_after_first_eos
+from refusion.decode.logprobs import TokenLogprob, TokenLogprobs, shifted_token_logprobs, token_logprobs
 from refusion.decode.outputs import RoundTrace, SequenceStats, SlotEvent
 from refusion.model.draft_table import DraftTable
 
@@ -64,15 +66,18 @@ class Sequence:
     def __init__(self, seq_id: int, prompt: list[int], cfg: DecodeConfig, *, mask_token_id: int | None,
                  eos_token_ids: list[int], cache: SlotCache, device: torch.device,
                  generator: torch.Generator | None = None, trace: bool = False, on_round=None,
-                 draft_table: DraftTable | None = None):
+                 draft_table: DraftTable | None = None, grammar: GrammarState | None = None):
         self.id, self.cfg, self.cache, self.device = seq_id, cfg, cache, device
         self.draft_table = draft_table  # the model's n-gram drafts (exact mode, cfg.table_length), or None
+        self.grammar = grammar  # the response's grammar state (structured output: AR and exact mode), or None
         self.prompt = torch.tensor(prompt, dtype=torch.long, device=device)
         self.mask_token_id = mask_token_id
         self.eos_ids = torch.tensor(eos_token_ids, dtype=torch.long, device=device)
         self.generator = generator
         self.committed_tokens: list[torch.Tensor] = []
         self.committed_positions: list[torch.Tensor] = []
+        self.committed_logprobs: list[tuple[torch.Tensor, TokenLogprobs]] = []
+        """(positions, log-probabilities) of the committed response tokens, when cfg.logprobs is set."""
         self.stats = SequenceStats()
         self.rounds: list[RoundTrace] | None = [] if trace else None
         self.on_round = on_round
@@ -87,15 +92,34 @@ class Sequence:
     def is_eos(self, tokens: torch.Tensor) -> torch.Tensor:
         return torch.isin(tokens, self.eos_ids)
 
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether committed response tokens record their log-probabilities (`cfg.logprobs`)."""
+        return self.cfg.logprobs is not None
+
+    def logprobs_of(self, logits: torch.Tensor, tokens: torch.Tensor) -> TokenLogprobs | None:
+        """The log-probabilities of `tokens` [...] under `logits` [..., V]; None when the config asks for none."""
+        return token_logprobs(logits, tokens, self.cfg.logprobs) if self.wants_logprobs else None
+
+    def shifted_logprobs_of(self, logits: torch.Tensor, tokens: torch.Tensor) -> TokenLogprobs | None:
+        """The AR log-probabilities of `tokens` [..., T] given the tokens before them in the same forward
+        ([..., T, V]; token 0 reads its own logits); None when the config asks for none."""
+        return shifted_token_logprobs(logits, tokens, self.cfg.logprobs) if self.wants_logprobs else None
+
     def commit(self, tokens: torch.Tensor, positions: torch.Tensor, *, cached: bool = True,
-               group: int | None = None) -> None:
+               group: int | None = None, logprobs: TokenLogprobs | None = None) -> None:
         """Append tokens to the context; their pending KV entries (of `group`, where several groups hold a
         position) become context (KV reuse). `cached=False` for tokens that end the sequence before any
-        forward saw them (they have no KV)."""
+        forward saw them (they have no KV). `logprobs`: of the (response) tokens, one entry each, when the
+        config asks for them."""
         if cached:
             self.cache.commit(self.id, positions, group)
         self.committed_tokens.append(tokens)
         self.committed_positions.append(positions)
+        if logprobs is not None:
+            if len(logprobs) != tokens.numel():
+                raise RuntimeError(f"{len(logprobs)} logprobs for {tokens.numel()} committed tokens")
+            self.committed_logprobs.append((positions, logprobs))
 
     def retain(self, positions: torch.Tensor) -> None:
         """Keep the pending KV entries at `positions` pending; drop every other pending entry."""
@@ -144,6 +168,22 @@ class Sequence:
         missing = (~present[self.prompt_length:]).nonzero()
         end = self.prompt_length + (int(missing[0]) if missing.numel() else self.cfg.canvas_length)
         return self._as_response(tokens[(positions >= self.prompt_length) & (positions < end)])
+
+    def response_logprobs(self, start: int = 0, stop: int | None = None) -> list[TokenLogprob]:
+        """Log-probabilities of response tokens [start, stop) (default: all of `response()`), in position order;
+        [] when the config asks for none. Every response position up to `stop` must be committed."""
+        if not self.wants_logprobs:
+            return []
+        stop = len(self.response()) if stop is None else stop
+        if stop <= start:
+            return []
+        positions = torch.cat([p for p, _ in self.committed_logprobs]) - self.prompt_length
+        logprobs = TokenLogprobs.cat([lp for _, lp in self.committed_logprobs])
+        order = torch.argsort(positions)
+        wanted = order[start:stop]
+        if not torch.equal(positions[wanted], torch.arange(start, stop, device=positions.device)):
+            raise RuntimeError(f"response positions [{start}, {stop}) lack logprobs")
+        return logprobs[wanted].to_list()
 
 
 def slot_events(starts: torch.Tensor, tokens: list[torch.Tensor], scores=None) -> list[SlotEvent]:

@@ -41,12 +41,14 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
-def tiny_tokenizer(*, with_mask: bool = True):
+def tiny_tokenizer(*, with_mask: bool = True, extra_chars: str = ""):
     """A character-level tokenizer matching `tiny_model` (vocab 64, EOS/turn end 2, <|mask|> 63), built offline.
 
     Ids: 0 <pad>, 1 <s>, 2 <|im_end|>, 3 <|im_start|>, 4.. lower-case letters, digits, space, newline and
     punctuation (input is lower-cased; unknown characters become "?"), 63 <|mask|>. It has a ChatML chat
     template. `with_mask=False` leaves out <|mask|> (id 63 is then unused), for testing mask-token setup.
+    `extra_chars` (e.g. "{}[]", what JSON needs beyond the default characters) take ids 63, 64, ... and move
+    <|mask|> to the last id: pair it with `tiny_model(vocab_size=TINY_VOCAB + len(extra_chars))`.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -55,8 +57,9 @@ def tiny_tokenizer(*, with_mask: bool = True):
     chars = list("abcdefghijklmnopqrstuvwxyz0123456789 \n.,?!+-*/=():;'\"#$%<>_")
     vocab = {tok: i for i, tok in enumerate(specials + chars)}
     assert len(vocab) <= TINY_MASK_ID, len(vocab)
+    vocab.update({c: TINY_MASK_ID + i for i, c in enumerate(extra_chars)})
     if with_mask:
-        vocab["<|mask|>"] = TINY_MASK_ID
+        vocab["<|mask|>"] = TINY_MASK_ID + len(extra_chars)
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="?"))
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")

@@ -32,6 +32,7 @@ from refusion.serve.scheduler import (
     Draining,
     Event,
     Job,
+    PublishedLogprob,
     QueueFull,
     Scheduler,
     SchedulerStopped,
@@ -325,9 +326,32 @@ def _build_jobs(server: Server, body, prompts: list[list[int]], emits) -> list[J
             raise _config_error(e, prompt_param, too_long_param) from None
         if body.refusion is not None and body.refusion.ignore_eos:
             eos_ids = []
+        grammar = _response_grammar(server, body, cfg, eos_ids)
         for index in range(p * n, (p + 1) * n):
-            jobs.append(Job(prompt, cfg, mask_id, eos_ids, emits[index], stops=body.stop_strings(), index=index))
+            jobs.append(Job(prompt, cfg, mask_id, eos_ids, emits[index], stops=body.stop_strings(), index=index,
+                            grammar=grammar))
     return jobs
+
+
+def _response_grammar(server: Server, body, cfg: DecodeConfig, eos_ids: list[int]):
+    """The compiled grammar of the request's response_format (None for none or "text"); a strategy that cannot
+    honour it, or a schema the grammar engine cannot compile, is a 400 naming the field."""
+    if body.response_format is None or body.response_format.type == "text":
+        return None
+    try:
+        from refusion.decode.grammar import ResponseGrammar, UnsupportedStrategy, check_strategy
+    except ImportError:  # pragma: no cover - the serve extra installs it
+        raise ApiError(400, "response_format needs llguidance (pip install 'refusion[serve]')",
+                       param="response_format") from None
+    try:
+        check_strategy(cfg.strategy)
+        vocab_size = server.model.config.get_text_config().vocab_size
+        with server.scheduler.tokenizer_lock:
+            return ResponseGrammar.compile(server.tokenizer, body.response_format.as_dict(), vocab_size, eos_ids)
+    except UnsupportedStrategy as e:
+        raise ApiError(400, str(e), param="refusion.strategy") from None
+    except (ValueError, ImportError) as e:
+        raise ApiError(400, str(e), param="response_format") from None
 
 
 def _request_config(server: Server, body, prompt_length: int) -> DecodeConfig:
@@ -339,6 +363,8 @@ def _request_config(server: Server, body, prompt_length: int) -> DecodeConfig:
         changes["temperature"] = float(body.temperature)
     if body.seed is not None:
         changes["seed"] = body.seed
+    if body.logprobs_wanted() is not None:
+        changes["logprobs"] = body.logprobs_wanted()
     if body.refusion is not None:
         changes.update(body.refusion.overrides())
     try:
@@ -396,14 +422,15 @@ class Reply:
         self.created, self.model, self.chat = now(), server.model_name, chat
         self.prompt_tokens = sum(map(len, prompts))
         self.include_usage = body.include_usage()
+        self.logprobs = body.logprobs_wanted() is not None
 
     def usage(self, completion_tokens: int) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": self.prompt_tokens + completion_tokens}
 
-    def choice(self, index: int, text: str, event: Event | None) -> dict:
+    def choice(self, index: int, text: str, event: Event | None, logprobs: list[PublishedLogprob]) -> dict:
         finish = event.finish_reason if event else None
-        choice = {"index": index, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "logprobs": self.logprobs_object(logprobs), "finish_reason": finish}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text, "refusal": None}
         else:
@@ -417,8 +444,24 @@ class Reply:
                 "created": self.created, "model": self.model, "system_fingerprint": None, "choices": choices,
                 "usage": self.usage(completion_tokens)}
 
+    def logprobs_object(self, logprobs: list[PublishedLogprob] | None) -> dict | None:
+        """OpenAI's logprobs of a choice or chunk: chat `{"content": [...], "refusal": None}`, completions
+        `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`; None when the request asked for none."""
+        if not self.logprobs:
+            return None
+        logprobs = logprobs or []
+        if self.chat:
+            def entry(token: str, logprob: float) -> dict:
+                return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+            return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                                for lp in logprobs], "refusal": None}
+        return {"tokens": [lp.token for lp in logprobs], "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [dict(lp.top) for lp in logprobs], "text_offset": [lp.offset for lp in logprobs]}
+
     def chunk(self, index: int, text: str | None, event: Event | None = None, role: bool = False) -> dict:
-        choice = {"index": index, "logprobs": None, "finish_reason": event.finish_reason if event else None}
+        carried = event.logprobs if event is not None and text is not None else None  # a delta's own tokens
+        choice = {"index": index, "logprobs": self.logprobs_object(carried) if carried else None,
+                  "finish_reason": event.finish_reason if event else None}
         if self.chat:
             choice["delta"] = ({"role": "assistant", "content": ""} if role else
                                {} if text is None else {"content": text})
@@ -457,18 +500,20 @@ async def _events(request: Request, events: asyncio.Queue) -> AsyncIterator[tupl
 async def _collect(request: Request, jobs: list[Job], events: asyncio.Queue, reply: Reply) -> JSONResponse:
     """Non-streamed: gather every job's deltas until its final event (or until the client leaves)."""
     texts, finals = [""] * len(jobs), [None] * len(jobs)
+    logprobs: list[list[PublishedLogprob]] = [[] for _ in jobs]
     async with contextlib.aclosing(_events(request, events)) as stream:
         async for index, event in stream:
             if event.error is not None:
                 raise ApiError(ERROR_STATUS.get(event.code, 500), event.error, code=event.code or DECODING_FAILED)
             texts[index] += event.delta
+            logprobs[index] += event.logprobs or []
             if event.final:
                 finals[index] = event
             if all(f is not None for f in finals):
                 break
         else:
             return JSONResponse(error_body("client disconnected"), status_code=CLIENT_CLOSED_REQUEST)
-    choices = [reply.choice(i, texts[i], finals[i]) for i in range(len(jobs))]
+    choices = [reply.choice(i, texts[i], finals[i], logprobs[i]) for i in range(len(jobs))]
     return JSONResponse(reply.whole(choices, sum(f.completion_tokens for f in finals)))
 
 
@@ -492,8 +537,8 @@ async def _stream(server: Server, request: Request, jobs: list[Job], events: asy
                     status = ERROR_STATUS.get(event.code, 500)
                     yield _sse(error_body(event.error, type="server_error", code=event.code or DECODING_FAILED))
                     break
-                if event.delta:
-                    yield _sse(reply.chunk(index, event.delta))
+                if event.delta or event.logprobs:
+                    yield _sse(reply.chunk(index, event.delta, event))
                 if event.final:
                     done += 1
                     completion_tokens += event.completion_tokens

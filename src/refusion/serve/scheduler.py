@@ -38,12 +38,27 @@ if TYPE_CHECKING:
 log = logging.getLogger("refusion.serve")
 
 
+@dataclass(frozen=True)
+class PublishedLogprob:
+    """One published token's log-probability, as text (what the API's logprobs objects are built from)."""
+
+    token: str
+    """The token's text."""
+    logprob: float
+    top: list[tuple[str, float]]
+    """(text, log-probability) of the most likely tokens at its position, most likely first."""
+    offset: int
+    """Where the token's text starts in the choice's text."""
+
+
 @dataclass
 class Event:
     """What a job's handler receives: text, then one final event (finish_reason or error)."""
 
     delta: str = ""
     """New text (appended to everything sent before)."""
+    logprobs: list[PublishedLogprob] | None = None
+    """When the job asks for logprobs: those of the tokens whose text `delta` completes (EOS tokens left out)."""
     finish_reason: str | None = None
     """"stop" (EOS or a stop string), "length" (max_tokens), "cancelled"; None while decoding goes on."""
     completion_tokens: int = 0
@@ -110,6 +125,8 @@ class Job:
     """None: the decoder makes the sequence's own (seeded with config.seed + index at temperature > 0)."""
     index: int = 0
     """Position of the prompt in its request (its seed offset)."""
+    grammar: object | None = None
+    """The response's structured-output grammar (`refusion.decode.grammar.ResponseGrammar`), or None."""
     submitted: float = field(default_factory=time.perf_counter)
     # scheduler state
     seq: Sequence | None = None
@@ -120,6 +137,8 @@ class Job:
     """Why the server cut this job short (shutdown); it then ends with an error event, not "cancelled"."""
     rounds_seen: int = -1
     tokens: int = 0
+    logprobs_sent: int = 0
+    """Response tokens whose logprobs were published (the text of each lies within what was sent)."""
     cancelled: bool = False
     done: bool = False
     text: TextStream = field(init=False)
@@ -355,7 +374,8 @@ class Scheduler:
     def _admit(self, job: Job) -> None:
         try:
             job.seq = self.decoder.add(job.prompt, job.config, mask_token_id=job.mask_token_id,
-                                       eos_token_ids=job.eos_token_ids, generator=job.generator, index=job.index)
+                                       eos_token_ids=job.eos_token_ids, generator=job.generator, index=job.index,
+                                       grammar=job.grammar)
         except Exception as e:
             log.exception("could not start a sequence")
             self._fail(job, f"could not start decoding: {type(e).__name__}: {e}")
@@ -379,12 +399,42 @@ class Scheduler:
         with self.tokenizer_lock:
             text = self.tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         delta, stopped = job.text.update(text, final=finished)
-        if delta:
-            job.emit(Event(delta=delta))
+        logprobs = self._new_logprobs(job, tokens) if job.config.logprobs is not None else None
+        if delta or logprobs:
+            job.emit(Event(delta=delta, logprobs=logprobs))
         if stopped or finished:
             # the program decided why it ended ("eos" or "length"); OpenAI calls an EOS a "stop"
             reason = "stop" if stopped or seq.stats.finish_reason == "eos" else "length"
             self._leave(job, Event(finish_reason=reason, completion_tokens=len(tokens), stats=self._stats(job)))
+
+    def _new_logprobs(self, job: Job, tokens: list[int]) -> list[PublishedLogprob]:
+        """The logprobs of the tokens whose text now lies within the text sent (a token cut by a stop string, or
+        whose text is held back, waits or is never published), EOS tokens left out. Decodes one prefix per token:
+        only requests that ask for logprobs pay for it."""
+        start, sent = job.logprobs_sent, len(job.text.sent)
+        with self.tokenizer_lock:
+            ends = []
+            while start + len(ends) < len(tokens):
+                end = len(self.tokenizer.decode(tokens[: start + len(ends) + 1], skip_special_tokens=True,
+                                                clean_up_tokenization_spaces=False))
+                if end > sent:
+                    break
+                ends.append(end)
+            if not ends:
+                return []
+            begin = len(self.tokenizer.decode(tokens[:start], skip_special_tokens=True,
+                                              clean_up_tokenization_spaces=False)) if start else 0
+            offsets = [begin, *ends[:-1]]
+            records = job.seq.response_logprobs(start, start + len(ends))
+            eos = set(job.eos_token_ids)
+            published = [PublishedLogprob(self._token_text(r.token), r.logprob,
+                                          [(self._token_text(t), lp) for t, lp in r.top], offset)
+                         for r, offset in zip(records, offsets) if r.token not in eos]
+        job.logprobs_sent = start + len(ends)
+        return published
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def _leave(self, job: Job, event: Event) -> None:
         """Take a job out of the batch (freeing its cache row) and send its final event."""

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, create_model, model_validator
 
-from refusion.config import MODEL_FIELDS, DecodeConfig, field_docs, field_types
+from refusion.config import MAX_TOP_LOGPROBS, MODEL_FIELDS, DecodeConfig, field_docs, field_types
 
 MAX_TOKENS_LIMIT = 1 << 20
 """Upper bound of `max_tokens` checked before tokenization; the model's context is checked after."""
@@ -27,7 +27,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-OPENAI_NAMES = {"max_new_tokens": "max_tokens", "temperature": "temperature", "seed": "seed"}
+OPENAI_NAMES = {"max_new_tokens": "max_tokens", "temperature": "temperature", "seed": "seed", "logprobs": "logprobs"}
 """DecodeConfig fields that a request sets through the standard OpenAI field of this name."""
 
 
@@ -103,6 +103,31 @@ class UnsupportedValue(ValueError):
         self.param = param
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str | None = None
+    schema_: dict = Field(alias="schema", description="the JSON schema the response follows")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise UnsupportedValue("response_format", "response_format needs json_schema exactly when its type is "
+                                                      "\"json_schema\"")
+        return self
+
+    def as_dict(self) -> dict:
+        """The engine's response_format (`refusion.generate`)."""
+        if self.json_schema is None:
+            return {"type": self.type}
+        return {"type": self.type, "json_schema": {"name": self.json_schema.name, "schema": self.json_schema.schema_}}
+
+
 class _Generation(_Neutral):
     model: str
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT, description="most tokens to generate")
@@ -113,6 +138,7 @@ class _Generation(_Neutral):
     stop: str | list[str] | None = Field(None, description="up to 4 strings that end the text (not included)")
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
     refusion: RefusionOptions | None = None
 
     @model_validator(mode="after")
@@ -151,13 +177,19 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT, description="alias of max_tokens")
-    logprobs: StrictBool | None = Field(None, description="only false", **only(False))
+    logprobs: StrictBool | None = Field(None, description="return each content token's log-probability")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="with logprobs: also the most "
+                                     "likely tokens at each position, this many")
 
     @model_validator(mode="after")
-    def _no_logprobs(self):
-        if self.logprobs:
-            raise UnsupportedValue("logprobs", "logprobs are not supported by the ReFusion server")
+    def _top_logprobs_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise UnsupportedValue("top_logprobs", "top_logprobs needs logprobs: true")
         return self
+
+    def logprobs_wanted(self) -> int | None:
+        """DecodeConfig.logprobs of this request: None (off), else how many alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -171,13 +203,14 @@ class CompletionRequest(_Generation):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: StrictBool | None = Field(None, description="only false", **only(False))
     best_of: int | None = Field(None, description="only 1", **only(1))
-    logprobs: int | None = Field(None, description="only null", **only())
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="return each token's "
+                                 "log-probability and the most likely tokens at each position, this many")
     suffix: str | None = Field(None, description="only null", **only())
 
     @model_validator(mode="after")
     def _neutral_completion_fields(self):
         for name, ok in (("echo", not self.echo), ("best_of", self.best_of in (None, 1)),
-                         ("logprobs", self.logprobs is None), ("suffix", self.suffix is None)):
+                         ("suffix", self.suffix is None)):
             if not ok:
                 raise UnsupportedValue(name, f"{name} is not supported by the ReFusion server")
         if isinstance(self.prompt, list) and not self.prompt:
@@ -186,6 +219,10 @@ class CompletionRequest(_Generation):
 
     def requested_tokens(self) -> int | None:
         return self.max_tokens
+
+    def logprobs_wanted(self) -> int | None:
+        """DecodeConfig.logprobs of this request: None (off), else how many alternatives per token."""
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per choice: text, or token ids."""

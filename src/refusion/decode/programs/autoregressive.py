@@ -16,13 +16,17 @@ def autoregressive_program(seq: Sequence) -> Program:
     logits = yield prefill(seq, torch.empty(0, dtype=torch.long, device=device), logits_from=prompt_length - 1)
     seq.commit(seq.prompt, torch.arange(prompt_length, device=device))
     for i in range(cfg.max_new_tokens):
-        token = next_token(logits[-1], cfg.temperature, seq.generator)
+        allowed = logits[-1] if seq.grammar is None else seq.grammar.mask(logits[-1])  # structured output
+        token = next_token(allowed, cfg.temperature, seq.generator)
+        logprobs = seq.logprobs_of(logits[-1:], token)  # None unless cfg.logprobs
         position = torch.tensor([prompt_length + i], device=device)
         eos = bool(seq.is_eos(token))
         last = eos or i == cfg.max_new_tokens - 1
+        if seq.grammar is not None and not eos:
+            seq.grammar.consume(token.tolist())
         if not last:
             logits = yield Forward(token, position, torch.zeros_like(position))
-        seq.commit(token, position, cached=not last)
+        seq.commit(token, position, cached=not last, logprobs=logprobs)
         seq.record(RoundTrace(index=seq.stats.rounds, block=0, masked_slots=[], planned=[],
                               committed=[SlotEvent(int(position), token.tolist())], how="autoregressive",
                               forwards=1, finished=eos, phase_forwards={"prefill" if i == 0 else "decode": 1}))

@@ -22,6 +22,7 @@ from refusion.decode.infill import (
     shifted_token_probs,
     verify_selected,
 )
+from refusion.decode.logprobs import TokenLogprobs
 from refusion.decode.outputs import RoundTrace, SlotEvent
 from refusion.decode.plan import Plan, greedy, plan_slots
 from refusion.decode.sequence import Forward, Program, Sequence, masks, prefill, slot_events, zeros
@@ -104,11 +105,13 @@ def refusion_program(seq: Sequence) -> Program:
                     seq.discard()
             plan = plan_slots(next_plan, cfg.slot_size, cfg.slot_threshold, cfg.temperature, seq.generator)
             starts = slots[plan.selected]
+            first_logprobs = seq.logprobs_of(  # a selected slot's first token: the plan's masked distribution
+                next_plan.view(*plan.drafts.shape, -1)[plan.selected, 0], plan.drafts[plan.selected, 0])
             left = slots[~torch.isin(slots, starts)]
             upcoming = left if left.numel() else canvas.block_slots(block + 1)  # what the next plan drafts
 
             # 2-5. verify, fast accept or complete in parallel, commit
-            round_ = infill_round(seq, plan, starts)
+            round_ = infill_round(seq, plan, starts, first_logprobs)
             if cfg.fused_plan and upcoming.numel():
                 outcome, riding = yield from with_next_plan(round_, seq, canvas.slot_positions(upcoming), canvas.end)
             else:
@@ -137,9 +140,11 @@ def plan_forward(seq: Sequence, mask_positions: torch.Tensor, first_round: bool)
     return Forward(tokens, mask_positions, zeros(tokens))
 
 
-def infill_round(seq: Sequence, plan: Plan, starts: torch.Tensor) -> Generator[Forward, torch.Tensor, RoundOutcome]:
+def infill_round(seq: Sequence, plan: Plan, starts: torch.Tensor, first_logprobs: TokenLogprobs | None = None,
+                 ) -> Generator[Forward, torch.Tensor, RoundOutcome]:
     """Steps 2-5 of a round: verify the selected drafts, then fast accept or complete them in parallel, and
-    commit. `starts`: [m] starts of the selected slots."""
+    commit. `starts`: [m] starts of the selected slots; `first_logprobs`: [m] of their first drafts (when the
+    config asks for logprobs)."""
     cfg, k = seq.cfg, seq.cfg.slot_size
     drafts = plan.drafts[plan.selected]  # [m, k]
     positions = starts[:, None] + torch.arange(k, device=seq.device)  # [m, k]
@@ -148,13 +153,15 @@ def infill_round(seq: Sequence, plan: Plan, starts: torch.Tensor) -> Generator[F
     logits = yield Forward(drafts.flatten(), positions.flatten(), zeros(drafts.flatten()), may_end_round=True)
     ar_probs = shifted_token_probs(logits, drafts.flatten()).view_as(drafts)
     verification = verify_selected(plan.confidence[plan.selected, 0], ar_probs, cfg.token_threshold)
+    logprobs = drafts_logprobs(seq, logits, drafts, first_logprobs)  # [m, k] or None
     accept = fast_accept(drafts, verification.prefix_length, seq.is_eos(drafts))
 
     if accept is not None:
         # 3. fast accept: the verification KV is exact for the accepted prefix; keep it
         n = accept.n_slots
         keep = (n - 1) * k + accept.last_length
-        seq.commit(drafts[:n].flatten()[:keep], positions[:n].flatten()[:keep])
+        seq.commit(drafts[:n].flatten()[:keep], positions[:n].flatten()[:keep],
+                   logprobs=None if logprobs is None else logprobs[:n].flatten()[:keep])
         committed = [drafts[i, : (k if i < n - 1 else accept.last_length)] for i in range(n)]
         return RoundOutcome("fast_accept", slot_events(starts[:n], committed), starts[:n],
                             int(starts[n - 1]) if accept.eos else None,
@@ -162,8 +169,8 @@ def infill_round(seq: Sequence, plan: Plan, starts: torch.Tensor) -> Generator[F
 
     # 4. parallel completion: one row per selected slot, sharing the context KV
     seq.discard()
-    rows, positions, eos_row, forwards = yield from parallel_completion(seq, drafts, positions,
-                                                                        verification.slot_accepted)
+    rows, positions, eos_row, forwards, logprobs = yield from parallel_completion(
+        seq, drafts, positions, verification.slot_accepted, logprobs)
 
     # 5. commit every completed row with its own KV (or recompute it: the Table 8 ablation)
     keep = cut_after_first_eos(seq.is_eos(rows.flatten()))
@@ -172,19 +179,41 @@ def infill_round(seq: Sequence, plan: Plan, starts: torch.Tensor) -> Generator[F
         seq.discard()
         yield Forward(tokens, token_positions, zeros(tokens), may_end_round=eos_row is None)
         forwards += 1
-    seq.commit(tokens, token_positions)
+    seq.commit(tokens, token_positions, logprobs=None if logprobs is None else logprobs.flatten()[keep])
     committed = list(tokens.split([int(keep.view_as(rows)[r].sum()) for r in range(rows.shape[0])]))
     return RoundOutcome("parallel_completion", slot_events(starts[: rows.shape[0]], committed), starts,
                         int(starts[eos_row]) if eos_row is not None else None, commits_all=eos_row is None,
                         complete_forwards=forwards)
 
 
-def parallel_completion(seq: Sequence, drafts: torch.Tensor, positions: torch.Tensor, accepted: torch.Tensor):
+def drafts_logprobs(seq: Sequence, verify_logits: torch.Tensor, drafts: torch.Tensor,
+                    first_logprobs: TokenLogprobs | None) -> TokenLogprobs | None:
+    """[m, k] logprobs of the selected drafts: a slot's first from the plan (`first_logprobs`, [m]), every other
+    from the AR distribution of the verify forward (`verify_logits`, [m * k, V], the drafts in position order)."""
+    if first_logprobs is None:
+        return None
+    verified = seq.shifted_logprobs_of(verify_logits, drafts.flatten()).reshape(*drafts.shape)
+    first_column = torch.zeros_like(drafts, dtype=torch.bool)
+    first_column[:, 0] = True
+    return TokenLogprobs.where(first_column, first_logprobs.reshape(-1, 1), verified)
+
+
+def completed_logprobs(logprobs: TokenLogprobs, newly: torch.Tensor, by_ar: torch.Tensor,
+                       verified: TokenLogprobs, predicted: TokenLogprobs) -> TokenLogprobs:
+    """[r, w] a window's logprobs after a verify forward of parallel completion: a position accepted in it
+    (`newly`) by its AR probability (`by_ar`) takes the verify forward's (`verified`); one only forced
+    (`force_progress`) takes the masked prediction it was filled with (`predicted`); the others keep theirs."""
+    return TokenLogprobs.where(newly & by_ar, verified, TokenLogprobs.where(newly, predicted, logprobs))
+
+
+def parallel_completion(seq: Sequence, drafts: torch.Tensor, positions: torch.Tensor, accepted: torch.Tensor,
+                        logprobs: TokenLogprobs | None = None):
     """§3.4: complete every selected slot, each as its own row, until all positions are accepted.
 
-    Returns (rows [r, k], positions [r, k], eos_row or None, forwards). Rows after the first one holding an
-    accepted EOS are dropped. On return the cache holds each row's own KV as pending entries. With KV reuse, each
-    verify forward may end the round (the fused plan rides on it).
+    Returns (rows [r, k], positions [r, k], eos_row or None, forwards, logprobs [r, k] or None). Rows after the
+    first one holding an accepted EOS are dropped. On return the cache holds each row's own KV as pending entries.
+    With KV reuse, each verify forward may end the round (the fused plan rides on it). `logprobs`: [m, k] those of
+    the drafts (the accepted ones are kept), when the config asks for them.
     """
     cfg, k = seq.cfg, seq.cfg.slot_size
     rows, tags = drafts.clone(), accepted.clone()
@@ -204,6 +233,7 @@ def parallel_completion(seq: Sequence, drafts: torch.Tensor, positions: torch.Te
         proposed = greedy(logits).view_as(window)
         window = torch.where(window_tags, window, proposed)
         rows[:, shared:] = window
+        predicted = seq.logprobs_of(logits.view(*window.shape, -1), window)
 
         # verify: AR probabilities of the filled window; keep its KV
         logits = yield Forward(window.flatten(), window_positions.flatten(), window_groups.flatten(),
@@ -212,19 +242,26 @@ def parallel_completion(seq: Sequence, drafts: torch.Tensor, positions: torch.Te
         probs = shifted_token_probs(logits.view(*window.shape, -1), window)
         accept = force_progress(probs > cfg.token_threshold, window_tags)
         tags[:, shared:] = accepted_prefix(accept)
+        if logprobs is not None:
+            newly = tags[:, shared:].bool() & ~window_tags
+            verified = seq.shifted_logprobs_of(logits.view(*window.shape, -1), window)
+            window_logprobs = completed_logprobs(logprobs[:, shared:], newly, probs > cfg.token_threshold, verified,
+                                                 predicted)
+            logprobs = TokenLogprobs.cat([logprobs[:, :shared], window_logprobs], dim=1)
 
         # EOS: keep rows up to the first one with an accepted EOS, which is complete
         hits = (seq.is_eos(rows[:, shared:]) & tags[:, shared:].bool()).any(1)
         if bool(hits.any()):
             eos_row = int(hits.nonzero()[0])
             rows, tags, positions = rows[: eos_row + 1], tags[: eos_row + 1], positions[: eos_row + 1]
+            logprobs = None if logprobs is None else logprobs[: eos_row + 1]
             tags[eos_row] = 1
 
         shared += shared_advance(tags[:, shared:], bool(tags.all()))
         seq.retain(positions[:, :shared].flatten())
     if shared != k:
         raise RuntimeError(f"parallel completion ended with {shared} of {k} positions shared")
-    return rows, positions, eos_row, forwards
+    return rows, positions, eos_row, forwards, logprobs
 
 
 def with_next_plan(round_: Generator[Forward, torch.Tensor, RoundOutcome], seq: Sequence,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from refusion.decode.infill import cut_after_first_eos
+from refusion.decode.logprobs import TokenLogprobs
 from refusion.decode.outputs import RoundTrace, SlotEvent
 from refusion.decode.plan import next_token
 from refusion.decode.sequence import Forward, Program, Sequence, masks, prefill, zeros
@@ -101,14 +102,17 @@ def speculative_program(seq: Sequence) -> Program:
     request, layout = DraftingLayout.prefill(seq, draft_masks(prompt_length - 1))
     logits = yield request
     seq.commit(seq.prompt, torch.arange(prompt_length, device=device))
-    token = next_token(layout.chain_logits(logits)[0], cfg.temperature, seq.generator)  # the token at `position`
+    first = layout.chain_logits(logits)[0]
+    allowed = first if seq.grammar is None else seq.grammar.mask(first)  # structured output
+    token = next_token(allowed, cfg.temperature, seq.generator)  # the token at `position`
+    token_logprobs = seq.logprobs_of(layout.chain_logits(logits)[:1], token)  # None unless cfg.logprobs
     drafts = drafts_from(layout.draft_logits(logits, 0))
     position, phases = prompt_length, {"prefill": 1}  # the first round also accounts for the prefill
     text = seq.prompt.tolist()  # prompt and committed response: what prompt lookup searches
     while True:
         eos = bool(seq.is_eos(token))
         if eos or position == end - 1:  # the last token needs no forward
-            seq.commit(token, torch.tensor([position], device=device), cached=False)
+            seq.commit(token, torch.tensor([position], device=device), cached=False, logprobs=token_logprobs)
             seq.record(RoundTrace(index=seq.stats.rounds, block=0, masked_slots=[], planned=[],
                                   committed=[SlotEvent(position, token.tolist())], how="speculative",
                                   forwards=sum(phases.values()), finished=eos, phase_forwards=phases))
@@ -119,6 +123,9 @@ def speculative_program(seq: Sequence) -> Program:
         if copied:
             drafts = copied_drafts(copied, logits.shape[-1], cfg.temperature, device)
         drafts = drafts[: end - 1 - position]
+        if seq.grammar is not None:  # structured output: verify only drafts the grammar allows after the token
+            seq.grammar.consume(token.tolist())
+            drafts = drafts[: seq.grammar.valid_prefix(drafts.tokens.tolist())]
         n = drafts.tokens.numel()
         chain = torch.cat([token, drafts.tokens])
         # a forward that verifies a copy carries no masks: the copy usually goes on, and without mask rows the
@@ -128,12 +135,24 @@ def speculative_program(seq: Sequence) -> Program:
         request, layout = DraftingLayout.verify(seq, chain, position, branches)
         logits = yield request
 
-        accepted, following = accept_drafts(drafts, layout.chain_logits(logits), cfg.temperature, seq.generator)
+        verifying = layout.chain_logits(logits)
+        if seq.grammar is not None:  # each row masked by the grammar state after the chain tokens before it
+            verifying = seq.grammar.mask_chain(verifying, drafts.tokens.tolist())
+        accepted, following = accept_drafts(drafts, verifying, cfg.temperature, seq.generator)
+        if seq.grammar is not None:
+            seq.grammar.consume(drafts.tokens[:accepted].tolist())
         tokens = chain[: accepted + 1]
+        # logprobs: the next token's from the forward that decided it, each accepted draft's and the following
+        # token's from this forward's AR rows (row i predicts chain token i + 1)
+        verified = seq.logprobs_of(layout.chain_logits(logits)[: accepted + 1],
+                                   torch.cat([drafts.tokens[:accepted], following]))
+        logprobs = None if verified is None else TokenLogprobs.cat([token_logprobs, verified[:accepted]])
         eos = seq.is_eos(tokens)
         if bool(eos.any()):
-            tokens = tokens[cut_after_first_eos(eos)]
-        seq.commit(tokens, request.positions[: tokens.numel()], group=0)  # pre-drafts may share positions
+            keep = cut_after_first_eos(eos)
+            tokens, logprobs = tokens[keep], None if logprobs is None else logprobs[keep]
+        seq.commit(tokens, request.positions[: tokens.numel()], group=0,  # pre-drafts may share positions
+                   logprobs=logprobs)
         text += tokens.tolist()
         done = bool(eos.any())
         seq.record(RoundTrace(index=seq.stats.rounds, block=0, masked_slots=[],
@@ -146,5 +165,5 @@ def speculative_program(seq: Sequence) -> Program:
         if done or position == end:
             seq.finish("eos" if done else "length")
             return
-        token = following
+        token, token_logprobs = following, None if verified is None else verified[accepted:]
         drafts = drafts_from(layout.draft_logits(logits, accepted))
