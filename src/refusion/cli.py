@@ -12,6 +12,8 @@ import os
 import sys
 import warnings
 
+from refusion.cpu import choose_cpu_threads
+
 # module path of each subcommand's `add_parser`, in the order `--help` lists them
 SUBCOMMANDS = [
     "refusion.decode.cli",
@@ -82,6 +84,7 @@ def one_line_warnings(command: str):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    choose_cpu_threads()  # before torch starts: run on the cores other processes leave free (refusion/cpu.py)
     quiet_libraries()
     previous, warnings.showwarning = warnings.showwarning, one_line_warnings(args.command)
     try:
