@@ -83,13 +83,13 @@ def main() -> None:
     base = refusion.DecodeConfig(max_new_tokens=args.max_new_tokens, slot_size=args.slot_size,
                                  block_size=args.block_size, slot_threshold=0.5, token_threshold=0.3, eos_token_id=[])
     refusion.generate(model, prompts[:2], base.replace(max_new_tokens=8))  # warm-up
-    refusion.generate(model, prompts[:2], base.replace(max_new_tokens=8, strategy="autoregressive"))
+    refusion.generate(model, prompts[:2], base.for_strategy("autoregressive").replace(max_new_tokens=8))
 
     results = {}
     for name, cfg in {"refusion": base, "refusion_unfused": base.replace(fused_plan=False),
                       "refusion_recompute": base.replace(kv_cache="recompute"),
-                      "speculative": base.replace(strategy="speculative", predraft=True),
-                      "autoregressive": base.replace(strategy="autoregressive")}.items():
+                      "speculative": base.for_strategy("speculative").replace(predraft=True),
+                      "autoregressive": base.for_strategy("autoregressive")}.items():
         results[name] = {f"batch_{b}": timed(model, prompts, cfg, b, args.repeats) for b in (1, args.batch)}
         results[name]["batch_speedup"] = (results[name][f"batch_{args.batch}"]["tokens_per_second"]
                                           / results[name]["batch_1"]["tokens_per_second"])
