@@ -89,6 +89,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention", default=None, metavar="IMPL",
                         help="attention implementation: sdpa, eager or refusion_exact (default: refusion_exact for "
                              "bf16 on an AMX CPU, else sdpa)")
+    parser.set_defaults(loads_model=True)  # `refusion.cli.main` picks the CPU threads of such a command
 
 
 def load_from_args(args: argparse.Namespace, device=None):

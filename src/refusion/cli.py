@@ -75,7 +75,7 @@ def one_line_warnings(command: str):
     original = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
-        if category.__module__.startswith("refusion") or "refusion" in str(filename):
+        if category.__module__.startswith("refusion."):
             print(f"refusion {command}: warning: {message}", file=sys.stderr)
         else:
             original(message, category, filename, lineno, file, line)
@@ -84,7 +84,8 @@ def one_line_warnings(command: str):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    choose_cpu_threads()  # before torch starts: run on the cores other processes leave free (refusion/cpu.py)
+    if getattr(args, "loads_model", False):  # before torch starts: decode on the cores other processes leave free
+        choose_cpu_threads()
     quiet_libraries()
     previous, warnings.showwarning = warnings.showwarning, one_line_warnings(args.command)
     try:

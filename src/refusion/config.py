@@ -160,14 +160,12 @@ class DecodeConfig:
 
     def ignored_fields(self) -> list[str]:
         """Fields set (to other than their default) that this config's strategy never reads."""
-        return [name for owner, names in STRATEGY_FIELDS.items() if owner != self.strategy for name in names
-                if getattr(self, name) != _DEFAULTS[name]]
+        return [name for name in ignored_by(self.strategy) if getattr(self, name) != _DEFAULTS[name]]
 
     def for_strategy(self, strategy: str) -> DecodeConfig:
         """This config with another strategy, the fields the new strategy ignores back at their defaults."""
-        reset = {name: _DEFAULTS[name] for owner, names in STRATEGY_FIELDS.items() if owner != strategy
-                 for name in names}
-        return dataclasses.replace(self, strategy=strategy, **reset)
+        defaults = {name: _DEFAULTS[name] for name in ignored_by(strategy)}
+        return dataclasses.replace(self, strategy=strategy, **defaults)
 
     @property
     def canvas_length(self) -> int:
@@ -215,6 +213,17 @@ def check_names(settings: dict) -> None:
     """A ConfigError for the first name in `settings` that is not a DecodeConfig field."""
     for name, value in settings.items():
         _require(name in _DEFAULTS, name, value, f"unknown setting; the settings are {', '.join(_DEFAULTS)}")
+
+
+def ignored_by(strategy: str) -> tuple[str, ...]:
+    """The fields `strategy` never reads: those another strategy alone reads (`STRATEGY_FIELDS`)."""
+    return tuple(name for owner, names in STRATEGY_FIELDS.items() if owner != strategy for name in names)
+
+
+def ignored_settings(settings: dict, strategy: str) -> dict:
+    """The settings (those given, not None) that `strategy` never reads."""
+    ignored = ignored_by(strategy)
+    return {name: value for name, value in settings.items() if value is not None and name in ignored}
 
 
 def owner_of(name: str) -> str | None:
@@ -270,9 +279,8 @@ def layered_settings(*layers: str | dict | None, explicit: dict | None = None) -
         values = preset(layer) if isinstance(layer, str) else layer or {}
         check_names(values)
         settings.update({name: value for name, value in values.items() if value is not None})
-    strategy = settings.get("strategy", _DEFAULTS["strategy"])
-    return {name: value for name, value in settings.items()
-            if name in explicit or owner_of(name) in (None, strategy)}
+    ignored = ignored_by(settings.get("strategy", _DEFAULTS["strategy"]))
+    return {name: value for name, value in settings.items() if name in explicit or name not in ignored}
 
 
 def layered_config(*layers: str | dict | None, explicit: dict | None = None) -> DecodeConfig:
@@ -281,9 +289,8 @@ def layered_config(*layers: str | dict | None, explicit: dict | None = None) -> 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", IgnoredSetting)
         cfg = DecodeConfig(**layered_settings(*layers, explicit=explicit))
-    for name, value in (explicit or {}).items():
-        if value is not None and owner_of(name) not in (None, cfg.strategy):
-            warnings.warn(IgnoredSetting(ignored_message(name, value, cfg.strategy)), stacklevel=2)
+    for name, value in ignored_settings(explicit or {}, cfg.strategy).items():
+        warnings.warn(IgnoredSetting(ignored_message(name, value, cfg.strategy)), stacklevel=2)
     return cfg
 
 

@@ -65,6 +65,17 @@ def post_all(url: str, bodies: list[dict]) -> list[httpx.Response]:
     return responses
 
 
+def slow_down(decoder, seconds: float) -> None:
+    """Make every step of `decoder` take `seconds` longer (a slower model), so that requests stay in flight."""
+    step = decoder.step
+
+    def slow_step(**kwargs):
+        time.sleep(seconds)
+        return step(**kwargs)
+
+    decoder.step = slow_step
+
+
 def wait_for(predicate, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -109,13 +120,7 @@ def test_a_fault_in_one_sequence_fails_only_its_request(tiny):
 
 def test_shutdown_lets_accepted_requests_finish_and_refuses_new_ones(tiny):
     with live_server(tiny, max_batch_size=1, grace=30) as live:
-        step = live.scheduler.decoder.step
-
-        def slow_step(**kwargs):
-            time.sleep(0.01)
-            return step(**kwargs)
-
-        live.scheduler.decoder.step = slow_step
+        slow_down(live.scheduler.decoder, 0.01)
         long = body(60, refusion={"strategy": "autoregressive", "ignore_eos": True})
         results = {}
         running = threading.Thread(target=lambda: results.update(running=post_all(live.url, [long])[0]))
@@ -142,13 +147,7 @@ def test_shutdown_lets_accepted_requests_finish_and_refuses_new_ones(tiny):
 
 def test_shutdown_ends_what_outlives_the_grace_period_with_an_error(tiny):
     with live_server(tiny, max_batch_size=2, grace=0.3) as live:
-        step = live.scheduler.decoder.step
-
-        def slow_step(**kwargs):
-            time.sleep(0.02)
-            return step(**kwargs)
-
-        live.scheduler.decoder.step = slow_step  # 600 tokens take > 12 s: longer than the grace period
+        slow_down(live.scheduler.decoder, 0.02)  # 600 tokens take > 12 s: longer than the grace period
         long = body(600, refusion={"strategy": "autoregressive", "ignore_eos": True})
         results, streamed = {}, []
         whole = threading.Thread(target=lambda: results.update(whole=post_all(live.url, [long])[0]))

@@ -61,11 +61,6 @@ def validate_grid(settings, task: str, combos: list[dict]) -> list[DecodeConfig]
     return configs
 
 
-def _task_preset(task: str) -> str:
-    from refusion.eval.tasks import get_task
-    return get_task(task).preset
-
-
 def describe(combo: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in combo.items())
 

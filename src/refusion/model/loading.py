@@ -2,8 +2,9 @@
 packaged default.
 
 `load` loads, then `prepare`s the model (`setup.py`): kernels chosen, special tokens resolved once, draft table
-found, all kept in one `ModelSetup` that `refusion.setup_of(model)` returns. A model that has to be built (a GGUF file dequantized, an adapter merged: the embedded model is both) is cached on disk after the
-first load (`build_cache.py`).
+found, all kept in one `ModelSetup` that `refusion.setup_of(model)` returns. A model that has to be built (a GGUF
+file dequantized, an adapter merged: the embedded model is both) is cached on disk after the first load
+(`build_cache.py`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from refusion.model import build_cache, embedded
 from refusion.model.adapter import adapter_base, adapter_gate, is_adapter_dir
 from refusion.model.row_exact import EXACT_ATTENTION, packed_rows_match, packing_available
-from refusion.model.setup import LINEAR_KERNELS, prepare
+from refusion.model.setup import check_linear, prepare
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ALIASES = ("smollm2",)
@@ -142,8 +143,7 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
     shipped draft table is read; `refusion.setup_of(model)` returns all of it. GGUF and adapter sources are built
     once and then read from the disk cache (`build_cache.py`).
     """
-    if linear not in LINEAR_KERNELS:
-        raise ValueError(f"linear={linear!r} is invalid: must be one of {', '.join(LINEAR_KERNELS)}")
+    check_linear(linear)
     device = torch.device(device) if device is not None else default_device()
     if isinstance(dtype, str):
         if not isinstance(getattr(torch, dtype, None), torch.dtype):

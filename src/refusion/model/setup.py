@@ -27,6 +27,16 @@ LINEAR_KERNELS = ("auto", "plain", "packed", "narrow")
 """What `prepare(linear=...)` accepts: "auto" chooses by measurement; the others pin the choice."""
 
 _ATTRIBUTE = "refusion_setup"
+
+
+class WeakerPromise(UserWarning):
+    """A model refusion did not prepare decodes in the exact mode with rows that may round differently from AR's."""
+
+
+def check_linear(linear: str) -> None:
+    """A one-line ValueError unless `linear` is one of LINEAR_KERNELS (checked before a load, not after it)."""
+    if linear not in LINEAR_KERNELS:
+        raise ValueError(f"linear={linear!r} is invalid: must be one of {', '.join(LINEAR_KERNELS)}")
 _warned: weakref.WeakSet = weakref.WeakSet()  # models whose weaker promise was already reported
 
 
@@ -116,8 +126,7 @@ def prepare(model, tokenizer=None, *, directory: str | Path | None = None, linea
         linear: "auto" (packed bf16 products on an AMX CPU, else weight-major few-token products where the
             probe measures them faster, else plain), or "plain" / "packed" / "narrow" to pin the choice.
     """
-    if linear not in LINEAR_KERNELS:
-        raise ValueError(f"linear={linear!r} is invalid: must be one of {', '.join(LINEAR_KERNELS)}")
+    check_linear(linear)
     if getattr(model, _ATTRIBUTE, None) is not None:
         raise ValueError("prepare: this model was already prepared (its setup is refusion.setup_of(model)); "
                          "load it again to choose other kernels")
@@ -173,7 +182,7 @@ def check_promise(model, setup: ModelSetup, strategy: str) -> None:
     _warned.add(model)
     warnings.warn("this bf16 model was not prepared by refusion, so the exact mode's rows may round differently "
                   "from AR decoding's (a near-tie can flip a token); refusion.prepare(model, tokenizer) makes its "
-                  "forwards row-exact (load it with attn_implementation='refusion_exact')", UserWarning, stacklevel=3)
+                  "forwards row-exact (load it with attn_implementation='refusion_exact')", WeakerPromise, stacklevel=3)
 
 
 def _linear_kernel_of(model) -> str:

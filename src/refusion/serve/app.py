@@ -24,7 +24,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from refusion.config import STRATEGIES, ConfigError, DecodeConfig, layered_settings, owner_of
+from refusion.config import (
+    STRATEGIES,
+    ConfigError,
+    DecodeConfig,
+    ignored_settings,
+    layered_settings,
+    owner_of,
+)
 from refusion.serve.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
 from refusion.serve.scheduler import (
     DECODING_FAILED,
@@ -390,10 +397,9 @@ def _fit_default_length(server: Server, cfg: DecodeConfig, prompt_length: int) -
 def _refuse_ignored(changes: dict, strategy: str) -> None:
     """A request's setting that its strategy never reads is a 400 naming it (a client cannot see a server's
     warnings, so what the Python API and the CLI warn about, the server refuses)."""
-    for name, value in changes.items():
-        if owner_of(name) not in (None, strategy):
-            raise ConfigError(name, value, f"strategy={strategy!r} never reads it (only strategy={owner_of(name)!r} "
-                                           "does): leave it out")
+    for name, value in ignored_settings(changes, strategy).items():
+        raise ConfigError(name, value, f"strategy={strategy!r} never reads it (only strategy={owner_of(name)!r} "
+                                       "does): leave it out")
 
 
 def _config_error(e: ValueError, prompt_param: str | None, too_long_param: str | None) -> ApiError:
