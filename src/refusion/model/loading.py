@@ -134,8 +134,9 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
             a GPU that has it and on an AMX CPU, else fp16 on a GPU and fp32 on the CPU).
         device: "cpu", "cuda", ...; None picks CUDA when available.
         attn_implementation: "sdpa", "eager" or "refusion_exact"; None: `default_attention(device, dtype)`.
-        linear: the linear kernel, "auto" (chosen by measurement) or pinned: "plain", "packed", "narrow"
-            (`refusion.model.setup.prepare`).
+        linear: the linear kernel, "auto" (chosen by measurement) or pinned: "plain", "packed", "narrow", or
+            "int4" (a GGUF source's 4-bit blocks multiplied directly: faster on the CPU, other rounding than bf16;
+            `refusion.model.int4`) (`refusion.model.setup.prepare`).
 
     The loaded model is prepared (`refusion.model.setup.prepare`): on an AMX CPU, bf16 linear layers multiply by
     weights packed once (`refusion.model.row_exact`); elsewhere on a CPU where it is faster, they multiply
@@ -157,7 +158,9 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
                          "cache, and the hub cannot be reached (this machine is offline)")
     model, tokenizer = _load_or_build(source, dtype, attn_implementation)
     model.to(device).eval()
-    prepare(model, tokenizer, directory=source.adapter_dir or source.path, linear=linear)
+    shipped = source.gguf_file and (source.adapter_dir is None or adapter_gate(source.adapter_dir) == "mask")
+    weights_file = Path(source.path) / source.gguf_file if shipped else None  # a merged adapter changed the weights
+    prepare(model, tokenizer, directory=source.adapter_dir or source.path, linear=linear, weights_file=weights_file)
     return model, tokenizer
 
 

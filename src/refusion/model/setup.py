@@ -23,8 +23,9 @@ from pathlib import Path
 from refusion.model.draft_table import TABLE_FILE, DraftTable
 from refusion.model.special_tokens import SpecialTokens, resolve_special_tokens
 
-LINEAR_KERNELS = ("auto", "plain", "packed", "narrow")
-"""What `prepare(linear=...)` accepts: "auto" chooses by measurement; the others pin the choice."""
+LINEAR_KERNELS = ("auto", "plain", "packed", "narrow", "int4")
+"""What `prepare(linear=...)` accepts: "auto" chooses by measurement; the others pin the choice ("int4", products by
+a GGUF file's 4-bit blocks, changes the numbers and is never chosen by "auto": `model.int4`)."""
 
 _ATTRIBUTE = "refusion_setup"
 
@@ -45,8 +46,9 @@ class Kernels:
     """The kernels a model's forward runs, and why they were chosen."""
 
     linear: str
-    """"plain" (nn.Linear), "packed" (bf16 weights packed once for AMX, row-exact: `model.row_exact`) or "narrow"
-    (weight-major products in few-token forwards: `model.narrow`)."""
+    """"plain" (nn.Linear), "packed" (bf16 weights packed once for AMX, row-exact: `model.row_exact`), "narrow"
+    (weight-major products in few-token forwards: `model.narrow`) or "int4" (products by the GGUF file's 4-bit
+    blocks where it ships them, the other layers packed where AMX has it: `model.int4`)."""
 
     attention: str
     """The attention implementation the model runs ("sdpa", "eager", "refusion_exact", ...)."""
@@ -115,7 +117,8 @@ def plain_setup(model) -> ModelSetup:
                       prepared=False)
 
 
-def prepare(model, tokenizer=None, *, directory: str | Path | None = None, linear: str = "auto") -> ModelSetup:
+def prepare(model, tokenizer=None, *, directory: str | Path | None = None, linear: str = "auto",
+            weights_file: str | Path | None = None) -> ModelSetup:
     """Choose the kernels of a loaded model, resolve its special tokens, find its draft table, and attach the
     resulting `ModelSetup` (what `refusion.load` does after loading; call it on a model loaded another way).
 
@@ -124,7 +127,9 @@ def prepare(model, tokenizer=None, *, directory: str | Path | None = None, linea
         tokenizer: its tokenizer (EOS and mask tokens are also read from it); None: the configs only.
         directory: where the model's files are; a `draft_table.safetensors` there becomes the setup's table.
         linear: "auto" (packed bf16 products on an AMX CPU, else weight-major few-token products where the
-            probe measures them faster, else plain), or "plain" / "packed" / "narrow" to pin the choice.
+            probe measures them faster, else plain), or "plain" / "packed" / "narrow" to pin the choice, or "int4"
+            to multiply by the 4-bit blocks of `weights_file` (bf16 on the CPU; other numbers than bf16 weights).
+        weights_file: the GGUF file the model was loaded from (what "int4" reads), or None.
     """
     check_linear(linear)
     if getattr(model, _ATTRIBUTE, None) is not None:
@@ -132,7 +137,7 @@ def prepare(model, tokenizer=None, *, directory: str | Path | None = None, linea
                          "load it again to choose other kernels")
     table_path = Path(directory) / TABLE_FILE if directory is not None else None
     table = DraftTable.load(table_path) if table_path is not None and table_path.is_file() else None
-    linear_kernel, reason = choose_linear_kernel(model, linear)
+    linear_kernel, reason = choose_linear_kernel(model, linear, weights_file)
     attention = _attention_of(model)
     tokens = resolve_special_tokens(model, tokenizer)
     if tokens.eos_token_ids:  # transformers' own `generate` (and a saved copy) stops where refusion does
@@ -143,12 +148,16 @@ def prepare(model, tokenizer=None, *, directory: str | Path | None = None, linea
         adapter_gate=_adapter_gate_of(model), row_exact=_is_row_exact(model, linear_kernel, attention)))
 
 
-def choose_linear_kernel(model, linear: str) -> tuple[str, str]:
+def choose_linear_kernel(model, linear: str, weights_file: str | Path | None = None) -> tuple[str, str]:
     """Switch the model's plain linear layers to the kernel `linear` asks for ("auto": by measurement); returns
     (the kernel, why)."""
     from refusion.model.narrow import use_narrow_linears
     from refusion.model.row_exact import use_packed_linears
 
+    if linear == "int4":
+        switched, total = use_shipped_int4(model, weights_file)
+        use_packed_linears(model)  # the layers the file does not ship in 4 bits (embedding / LM head, adapters)
+        return "int4", f"pinned by the caller: {switched} of {total} linear layers multiply by the file's 4-bit blocks"
     if linear == "plain":
         return "plain", "pinned by the caller"
     if linear in ("auto", "packed"):
@@ -163,6 +172,28 @@ def choose_linear_kernel(model, linear: str) -> tuple[str, str]:
                           "the probe measured few-token products faster weight-major on this CPU")
     return "plain", ("not a CPU model, its weights fit in the CPU cache, or weight-major products measured no "
                      "faster here")
+
+
+def use_shipped_int4(model, weights_file: str | Path | None) -> tuple[int, int]:
+    """Switch the layers a GGUF file ships in 4 bits to `Int4Linear`; returns (switched, linear layers in all).
+    Raises a one-line ValueError when that cannot be done."""
+    import torch
+    from torch import nn
+
+    from refusion.model.int4 import int4_available, shipped_int4, use_int4_linears
+
+    parameter = next(model.parameters())
+    if weights_file is None or not str(weights_file).endswith(".gguf"):
+        raise ValueError("linear='int4' multiplies by the 4-bit blocks of a GGUF file (Q4_0 / Q4_1): load a .gguf "
+                         "model (or the embedded one, whose base is one)")
+    if parameter.device.type != "cpu" or parameter.dtype != torch.bfloat16 or not int4_available():
+        raise ValueError("linear='int4' runs torch's int4 CPU kernel with bf16 activations: load with "
+                         "device='cpu' and dtype='bfloat16'")
+    total = sum(isinstance(m, nn.Linear) for m in model.modules())
+    switched = use_int4_linears(model, shipped_int4(weights_file, model))
+    if switched == 0:
+        raise ValueError(f"linear='int4': {weights_file} has no Q4_0 / Q4_1 weights of this model's linear layers")
+    return switched, total
 
 
 def check_promise(model, setup: ModelSetup, strategy: str) -> None:
@@ -186,10 +217,13 @@ def check_promise(model, setup: ModelSetup, strategy: str) -> None:
 
 
 def _linear_kernel_of(model) -> str:
+    from refusion.model.int4 import Int4Linear
     from refusion.model.narrow import NarrowLinear
     from refusion.model.row_exact import PackedLinear
 
     kinds = {type(m) for m in model.modules()}
+    if Int4Linear in kinds:
+        return "int4"
     return "packed" if PackedLinear in kinds else "narrow" if NarrowLinear in kinds else "plain"
 
 
@@ -204,6 +238,15 @@ def _adapter_gate_of(model) -> str:
 
 
 def _is_row_exact(model, linear: str, attention: str) -> bool:
+    """Packed bf16 products and fp64-summed attention; with "int4", every other linear layer packed too and the
+    int4 kernel computing rows on their own (probed once)."""
+    from torch import nn
+
+    from refusion.model.int4 import int4_rows_match
     from refusion.model.row_exact import EXACT_ATTENTION
 
-    return linear == "packed" and attention == EXACT_ATTENTION
+    if attention != EXACT_ATTENTION:
+        return False
+    if linear == "int4":
+        return not any(type(m) is nn.Linear for m in model.modules()) and int4_rows_match()
+    return linear == "packed"

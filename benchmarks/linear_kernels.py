@@ -1,0 +1,155 @@
+"""The embedded model's linear kernels side by side, and llama.cpp on the same GGUF file, in one run, batch 1.
+
+For every prompt, back to back (so machine noise hits every engine alike): refusion's AR decoding and exact
+mode (the embedded model's preset) with each linear kernel (`--kernels`, default the auto choice and "int4", the
+GGUF's 4-bit blocks), then llama.cpp's plain greedy decoding of the base GGUF (`--llama-cpp DIR` holding a
+`llama-completion` binary; skipped without it). Reported per engine and prompt group: tokens, seconds, tokens/s
+(refusion: prefill included; llama.cpp: prompt evaluation included, and decode alone), the ratio to the first
+kernel's AR decoding, how many outputs equal that kernel's AR decoding (the exact mode's promise) and how many
+AR outputs equal the first kernel's (what switching kernels changes). Ends with one JSON line.
+
+The prompts (`PROMPT_GROUPS`) are none of the tuning prompts named in docs/BENCHMARKS.md ("Prompts"): GSM8K test
+from example 401, ARC-Challenge test from 301, MBPP test ids from 311, and open-ended requests written here.
+
+    python benchmarks/linear_kernels.py [--per-group 6] [--max-new-tokens 128] [--kernels auto,int4]
+                                 [--llama-cpp DIR] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from refusion.config import layered_config
+from refusion.decode.loop import generate
+from refusion.eval.tasks import load_examples
+from refusion.model.embedded import default_decode_settings
+from refusion.model.loading import encode_prompts, load, smollm2_gguf_path
+from refusion.model.setup import setup_of
+
+OPEN_ENDED = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain why the sky is blue to a ten-year-old.",
+    "Give me five tips for staying focused while studying at home.",
+    "Describe a perfect Sunday morning in a small seaside town.",
+    "What are the pros and cons of working from home? Answer in two short lists.",
+    "Write a friendly email inviting my neighbours to a garden party next Saturday.",
+    "Summarize the water cycle in a few sentences.",
+    "How do I plant tomatoes in a pot on a balcony?",
+]
+"""Open-ended requests (nothing to copy from the prompt): written for this benchmark, never used for tuning."""
+
+PROMPT_GROUPS = {"gsm8k": ("gsm8k", 400), "arc": ("arc_challenge", 300), "mbpp": ("mbpp", 300)}
+"""Task prompt groups: (evaluation task, examples skipped): past every tuning prompt (docs/BENCHMARKS.md)."""
+
+
+def prompt_groups(per_group: int) -> dict[str, list[str]]:
+    groups = {name: [ex.prompt for ex in load_examples(task, limit=skip + per_group)[skip:]]
+              for name, (task, skip) in PROMPT_GROUPS.items()}
+    groups["open-ended"] = OPEN_ENDED[:per_group]
+    return groups
+
+
+def llama_cpp_decode(binary: Path, gguf: Path, text: str, max_new_tokens: int, threads: int) -> dict:
+    """One greedy llama.cpp decode of a formatted prompt: tokens, seconds (prompt evaluation + decode), and the
+    decode's own seconds, from its timing report."""
+    out = subprocess.run([str(binary), "-m", str(gguf), "-p", text, "-n", str(max_new_tokens), "-t", str(threads),
+                          "--temp", "0", "-no-cnv", "--no-warmup", "-s", "0", "--no-display-prompt",
+                          "--no-repack"],
+                         capture_output=True, text=True, check=True, timeout=600)
+    report = out.stderr
+    prompt_ms = float(re.search(r"prompt eval time =\s*([\d.]+) ms", report).group(1))
+    decode = re.search(r"\beval time =\s*([\d.]+) ms /\s*(\d+) runs", report)
+    decode_ms, runs = float(decode.group(1)), int(decode.group(2))
+    return {"tokens": runs + 1, "seconds": (prompt_ms + decode_ms) / 1000, "decode_seconds": decode_ms / 1000,
+            "decode_tokens": runs}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--per-group", type=int, default=6, help="prompts per group")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--kernels", default="auto,int4", help="comma-separated linear kernels (refusion.load)")
+    parser.add_argument("--llama-cpp", default=None, metavar="DIR", help="a llama.cpp build's bin directory")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="llama.cpp's threads")
+    args = parser.parse_args()
+
+    kernels = args.kernels.split(",")
+    models = {kernel: load(linear=kernel) for kernel in kernels}
+    tokenizer = next(iter(models.values()))[1]
+    exact = layered_config(default_decode_settings(), explicit={"max_new_tokens": args.max_new_tokens})
+    configs = {"ar": exact.for_strategy("autoregressive"), "exact": exact}
+    binary = Path(args.llama_cpp) / "llama-completion" if args.llama_cpp else None
+    if binary is not None and not binary.is_file():
+        raise SystemExit(f"no llama-completion in {args.llama_cpp}")
+    groups = prompt_groups(args.per_group)
+    engines = [f"{kernel}/{mode}" for kernel in kernels for mode in configs] + (["llama.cpp"] if binary else [])
+    for model, _ in models.values():  # warm-up
+        for cfg in configs.values():
+            generate(model, encode_prompts(tokenizer, "Hi"), cfg.replace(max_new_tokens=8))
+
+    rows = []
+    first = kernels[0]
+    for group, texts in groups.items():
+        for i, text in enumerate(texts):
+            ids = encode_prompts(tokenizer, text)
+            outputs = {}
+            for kernel, (model, _) in models.items():
+                for mode, cfg in configs.items():
+                    out = generate(model, ids, cfg)
+                    s = out.stats.per_sequence[0]
+                    outputs[f"{kernel}/{mode}"] = out.sequences[0]
+                    rows.append({"group": group, "prompt": i, "engine": f"{kernel}/{mode}", "tokens": s.tokens,
+                                 "seconds": s.seconds, "forwards": s.forwards})
+            for kernel in kernels:
+                for row in rows[-len(outputs):]:
+                    if row["engine"] == f"{kernel}/exact":
+                        row["identical_to_ar"] = outputs[row["engine"]] == outputs[f"{kernel}/ar"]
+                    if row["engine"] == f"{kernel}/ar":
+                        row["identical_to_first_kernel"] = outputs[row["engine"]] == outputs[f"{first}/ar"]
+            if binary is not None:
+                formatted = tokenizer.decode(ids[0])
+                rows.append({"group": group, "prompt": i, "engine": "llama.cpp",
+                             **llama_cpp_decode(binary, smollm2_gguf_path(), formatted, args.max_new_tokens,
+                                                args.threads)})
+            print(f"{group} {i + 1}/{len(texts)}", flush=True)
+
+    summary = {}
+    for group in [*groups, "all"]:
+        chosen = [r for r in rows if group in ("all", r["group"])]
+        per_engine = {}
+        for engine in engines:
+            mine = [r for r in chosen if r["engine"] == engine]
+            tokens, seconds = sum(r["tokens"] for r in mine), sum(r["seconds"] for r in mine)
+            entry = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_second": round(tokens / seconds, 2)}
+            if engine == "llama.cpp":
+                entry["decode_tokens_per_second"] = round(sum(r["decode_tokens"] for r in mine)
+                                                          / sum(r["decode_seconds"] for r in mine), 2)
+            for flag in ("identical_to_ar", "identical_to_first_kernel"):
+                if any(flag in r for r in mine):
+                    entry[flag] = f"{sum(r[flag] for r in mine)}/{len(mine)}"
+            per_engine[engine] = entry
+        base = per_engine[f"{first}/ar"]["tokens_per_second"]
+        for entry in per_engine.values():
+            entry["vs_first_ar"] = round(entry["tokens_per_second"] / base, 3)
+        summary[group] = per_engine
+        print(f"== {group}")
+        for engine, entry in per_engine.items():
+            print(f"  {engine:12s} {entry['tokens_per_second']:7.1f} tok/s  x{entry['vs_first_ar']:.2f}  "
+                  + "  ".join(f"{k} {v}" for k, v in entry.items() if k.startswith(("identical", "decode"))))
+    print(json.dumps({"benchmark": "linear_kernels", "kernels": {k: setup_of(m).describe() for k, (m, _) in models.items()},
+                      "max_new_tokens": args.max_new_tokens, "per_group": args.per_group,
+                      "threads": torch.get_num_threads(), "llama_cpp_threads": args.threads if binary else None,
+                      "torch": torch.__version__, "machine": platform.machine(), "summary": summary,
+                      "time": time.strftime("%Y-%m-%dT%H:%M:%S")}))
+
+
+if __name__ == "__main__":
+    main()
