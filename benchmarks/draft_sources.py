@@ -33,7 +33,7 @@ def replay(prompt: list[int], answer: list[int], table: DraftTable, lookup_lengt
     rounds, position = [], 0  # answer[position]: the token the last forward decided
     while position < len(answer) - 1:
         text = prompt + answer[: position + 1]
-        drafts = text_drafts(text, lookup_length, table_length, table)
+        drafts, _ = text_drafts(text, lookup_length, table_length, table)
         accepted = 0
         for token, truth in zip(drafts, answer[position + 1:]):
             if token != truth:

@@ -1,7 +1,8 @@
 """The embedded model's linear kernels side by side, and llama.cpp on the same GGUF file, in one run, batch 1.
 
 For every prompt, back to back (so machine noise hits every engine alike): refusion's AR decoding and exact
-mode (the embedded model's preset) with each linear kernel (`--kernels`, default the auto choice and "int4", the
+mode (the embedded model's preset; "exact_every_draft" the same without the cost-aware cut of its drafts,
+`decode.costs`) with each linear kernel (`--kernels`, default the auto choice and "int4", the
 GGUF's 4-bit blocks), then llama.cpp's plain greedy decoding of the base GGUF (`--llama-cpp DIR` holding a
 `llama-completion` binary; skipped without it). Reported per engine and prompt group: tokens, seconds, tokens/s
 (refusion: prefill included; llama.cpp: prompt evaluation included, and decode alone), the ratio to the first
@@ -85,7 +86,7 @@ def main() -> None:
     models = {kernel: load(linear=kernel) for kernel in kernels}
     tokenizer = next(iter(models.values()))[1]
     exact = layered_config(default_decode_settings(), explicit={"max_new_tokens": args.max_new_tokens})
-    configs = {"ar": exact.for_strategy("autoregressive"), "exact": exact}
+    configs = {"ar": exact.for_strategy("autoregressive"), "exact": exact, "exact_every_draft": exact}
     binary = Path(args.llama_cpp) / "llama-completion" if args.llama_cpp else None
     if binary is not None and not binary.is_file():
         raise SystemExit(f"no llama-completion in {args.llama_cpp}")
@@ -103,14 +104,16 @@ def main() -> None:
             outputs = {}
             for kernel, (model, _) in models.items():
                 for mode, cfg in configs.items():
-                    out = generate(model, ids, cfg)
+                    setup = setup_of(model)  # exact_every_draft: no cost-aware cut of the drafts
+                    out = generate(model, ids, cfg, setup=setup.replace(forward_costs=None)
+                                   if mode == "exact_every_draft" else setup)
                     s = out.stats.per_sequence[0]
                     outputs[f"{kernel}/{mode}"] = out.sequences[0]
                     rows.append({"group": group, "prompt": i, "engine": f"{kernel}/{mode}", "tokens": s.tokens,
                                  "seconds": s.seconds, "forwards": s.forwards})
             for kernel in kernels:
                 for row in rows[-len(outputs):]:
-                    if row["engine"] == f"{kernel}/exact":
+                    if row["engine"].startswith(f"{kernel}/exact"):
                         row["identical_to_ar"] = outputs[row["engine"]] == outputs[f"{kernel}/ar"]
                     if row["engine"] == f"{kernel}/ar":
                         row["identical_to_first_kernel"] = outputs[row["engine"]] == outputs[f"{first}/ar"]

@@ -72,7 +72,8 @@ class Decoder:
         generator = sequence_generator(cfg, index, generator, self.device)
         seq = Sequence(self._next_id, prompt, cfg, mask_token_id=mask_token_id, eos_token_ids=eos_token_ids,
                        cache=self.cache, device=self.device, generator=generator, trace=trace, on_round=on_round,
-                       draft_table=self.setup.draft_table, grammar=None if grammar is None else grammar.state())
+                       draft_table=self.setup.draft_table, grammar=None if grammar is None else grammar.state(),
+                       forward_costs=self.setup.forward_costs)
         self._next_id += 1
         program = start_program(seq)
         self.live[seq.id] = Running(seq, program, next(program))

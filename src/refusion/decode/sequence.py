@@ -21,6 +21,7 @@ from refusion.decode.grammar import GrammarState
 from refusion.decode.infill import cut_after_first_eos
 from refusion.decode.logprobs import TokenLogprob, TokenLogprobs, shifted_token_logprobs, token_logprobs
 from refusion.decode.outputs import RoundTrace, SequenceStats, SlotEvent
+from refusion.decode.costs import ForwardCosts
 from refusion.model.draft_table import DraftTable
 
 
@@ -66,9 +67,11 @@ class Sequence:
     def __init__(self, seq_id: int, prompt: list[int], cfg: DecodeConfig, *, mask_token_id: int | None,
                  eos_token_ids: list[int], cache: SlotCache, device: torch.device,
                  generator: torch.Generator | None = None, trace: bool = False, on_round=None,
-                 draft_table: DraftTable | None = None, grammar: GrammarState | None = None):
+                 draft_table: DraftTable | None = None, grammar: GrammarState | None = None,
+                 forward_costs: ForwardCosts | None = None):
         self.id, self.cfg, self.cache, self.device = seq_id, cfg, cache, device
         self.draft_table = draft_table  # the model's n-gram drafts (exact mode, cfg.table_length), or None
+        self.forward_costs = forward_costs  # seconds of a forward by width (the exact mode's draft count), or None
         self.grammar = grammar  # the response's grammar state (structured output: AR and exact mode), or None
         self.prompt = torch.tensor(prompt, dtype=torch.long, device=device)
         self.mask_token_id = mask_token_id

@@ -66,13 +66,17 @@ def lookup_drafts(text: list[int], length: int) -> list[int]:
     return []
 
 
-def text_drafts(text: list[int], lookup_length: int, table_length: int, table: DraftTable | None) -> list[int]:
-    """The drafts copied for the text so far: prompt lookup's (up to `lookup_length`) first, else the draft
-    table's (up to `table_length`); [] when neither has any (a length of 0 turns its source off)."""
+def text_drafts(text: list[int], lookup_length: int, table_length: int,
+                table: DraftTable | None) -> tuple[list[int], str]:
+    """The drafts copied for the text so far and their source: prompt lookup's (up to `lookup_length`), "lookup",
+    first, else the draft table's (up to `table_length`), "table"; ([], "") when neither has any (a length of 0
+    turns its source off)."""
     copied = lookup_drafts(text, lookup_length) if lookup_length else []
-    if not copied and table_length and table is not None:
+    if copied:
+        return copied, "lookup"
+    if table_length and table is not None:
         copied = table.drafts(text, table_length)
-    return copied
+    return copied, "table" if copied else ""
 
 
 def copied_drafts(tokens: list[int], vocab_size: int, temperature: float, device) -> Drafts:

@@ -20,8 +20,13 @@ import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from refusion.model.draft_table import TABLE_FILE, DraftTable
 from refusion.model.special_tokens import SpecialTokens, resolve_special_tokens
+
+if TYPE_CHECKING:
+    from refusion.decode.costs import ForwardCosts
 
 LINEAR_KERNELS = ("auto", "plain", "packed", "narrow", "int4")
 """What `prepare(linear=...)` accepts: "auto" chooses by measurement; the others pin the choice ("int4", products by
@@ -83,6 +88,11 @@ class ModelSetup:
     prepared: bool = True
     """Whether `prepare` built this setup (False: `plain_setup`, a model refusion did not prepare)."""
 
+    forward_costs: ForwardCosts | None = None
+    """Seconds of a batch-1 forward by width, timed by `prepare` on the model as loaded: the exact mode verifies
+    only as many copied drafts as pay for the wider forward (`decode.costs`). None: not measured (a model refusion
+    did not prepare, or one too slow to probe): every draft is verified."""
+
     def replace(self, **changes) -> ModelSetup:
         return replace(self, **changes)
 
@@ -131,6 +141,8 @@ def prepare(model, tokenizer=None, *, directory: str | Path | None = None, linea
             to multiply by the 4-bit blocks of `weights_file` (bf16 on the CPU; other numbers than bf16 weights).
         weights_file: the GGUF file the model was loaded from (what "int4" reads), or None.
     """
+    from refusion.decode.costs import measure
+
     check_linear(linear)
     if getattr(model, _ATTRIBUTE, None) is not None:
         raise ValueError("prepare: this model was already prepared (its setup is refusion.setup_of(model)); "
@@ -145,7 +157,8 @@ def prepare(model, tokenizer=None, *, directory: str | Path | None = None, linea
         model.generation_config.eos_token_id = eos[0] if len(eos) == 1 else list(eos)
     return attach_setup(model, ModelSetup(
         special_tokens=tokens, kernels=Kernels(linear_kernel, attention, reason), draft_table=table,
-        adapter_gate=_adapter_gate_of(model), row_exact=_is_row_exact(model, linear_kernel, attention)))
+        adapter_gate=_adapter_gate_of(model), row_exact=_is_row_exact(model, linear_kernel, attention),
+        forward_costs=measure(model)))
 
 
 def choose_linear_kernel(model, linear: str, weights_file: str | Path | None = None) -> tuple[str, str]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from refusion.decode.costs import AcceptanceByDepth, best_draft_count
 from refusion.decode.infill import cut_after_first_eos
 from refusion.decode.logprobs import TokenLogprobs
 from refusion.decode.outputs import RoundTrace, SlotEvent
@@ -81,7 +82,9 @@ def speculative_program(seq: Sequence) -> Program:
     is accepted; `cfg.predraft` adds one chain of masks per possible acceptance length. With
     `cfg.lookup_length`, a round whose last tokens occurred earlier in the text verifies the tokens that followed
     them instead (prompt lookup), without masks; with `cfg.table_length`, a round with nothing to copy verifies
-    what the model's draft table says usually follows, also without masks.
+    what the model's draft table says usually follows, also without masks. Where the model's forward costs were
+    measured (`ModelSetup.forward_costs`), a round verifies only as many copied drafts as pay for the wider forward
+    at the acceptance this sequence has seen from their source (`decode.costs`).
     """
     cfg, device = seq.cfg, seq.device
     prompt_length, draft_length = seq.prompt_length, cfg.draft_length
@@ -109,6 +112,7 @@ def speculative_program(seq: Sequence) -> Program:
     drafts = drafts_from(layout.draft_logits(logits, 0))
     position, phases = prompt_length, {"prefill": 1}  # the first round also accounts for the prefill
     text = seq.prompt.tolist()  # prompt and committed response: what prompt lookup searches
+    acceptance: dict[str, AcceptanceByDepth] = {}  # by draft source ("lookup", "table"): for the cost-aware cut
     while True:
         eos = bool(seq.is_eos(token))
         if eos or position == end - 1:  # the last token needs no forward
@@ -119,13 +123,16 @@ def speculative_program(seq: Sequence) -> Program:
             seq.finish("eos" if eos else "length")
             return
         phases["verify"] = phases.get("verify", 0) + 1
-        copied = text_drafts(text + token.tolist(), cfg.lookup_length, cfg.table_length, seq.draft_table)
+        copied, source = text_drafts(text + token.tolist(), cfg.lookup_length, cfg.table_length, seq.draft_table)
         if copied:
             drafts = copied_drafts(copied, logits.shape[-1], cfg.temperature, device)
         drafts = drafts[: end - 1 - position]
         if seq.grammar is not None:  # structured output: verify only drafts the grammar allows after the token
             seq.grammar.consume(token.tolist())
             drafts = drafts[: seq.grammar.valid_prefix(drafts.tokens.tolist())]
+        if copied and seq.forward_costs is not None and drafts.tokens.numel():  # as many as pay for their width
+            record = acceptance.setdefault(source, AcceptanceByDepth())
+            drafts = drafts[: best_draft_count(drafts.tokens.numel(), record, seq.forward_costs)]
         n = drafts.tokens.numel()
         chain = torch.cat([token, drafts.tokens])
         # a forward that verifies a copy carries no masks: the copy usually goes on, and without mask rows the
@@ -139,6 +146,8 @@ def speculative_program(seq: Sequence) -> Program:
         if seq.grammar is not None:  # each row masked by the grammar state after the chain tokens before it
             verifying = seq.grammar.mask_chain(verifying, drafts.tokens.tolist())
         accepted, following = accept_drafts(drafts, verifying, cfg.temperature, seq.generator)
+        if copied and n:
+            acceptance.setdefault(source, AcceptanceByDepth()).record(n, accepted)
         if seq.grammar is not None:
             seq.grammar.consume(drafts.tokens[:accepted].tolist())
         tokens = chain[: accepted + 1]

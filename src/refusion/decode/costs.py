@@ -1,0 +1,127 @@
+"""What a wider forward costs, and how many drafts are worth verifying at that price.
+
+The exact mode verifies a chain of drafted tokens in one forward. Every accepted draft saves a forward, but every
+draft also widens the forward, and what width costs depends on the kernels: packed bf16 products on an AMX CPU
+cost about the same for 1 and 16 rows, the int4 kernel computes row by row (a 16-row forward of the embedded
+model costs ~2.5x a one-row one), a GPU pays almost nothing for width. So the number of drafts a round verifies
+is chosen from two measurements:
+
+* `ForwardCosts`: seconds of a batch-1 forward of each width, timed once on the loaded model (`measure`,
+  called by `refusion.prepare`);
+* `AcceptanceByDepth`: per sequence and draft source, how often a draft at depth i was accepted once the drafts
+  before it were (a Beta(1, 1) prior: 1/2 before anything is seen).
+
+`best_draft_count` then takes the count n that maximizes the expected tokens committed per second,
+(1 + sum over i <= n of the chance that the first i drafts are accepted) / cost(n + 1). Verifying fewer drafts
+never changes what is committed (the exact mode commits AR decoding's tokens whatever it drafts), only how fast.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+PROBE_WIDTHS = (1, 4, 8, 16, 32)
+"""Forward widths `measure` times; other widths are interpolated (linearly, and beyond the last one extrapolated)."""
+PROBE_REPEATS = 2
+"""Timed forwards per width, after one untimed round (the median counts)."""
+MAX_PROBE_SECONDS = 0.25
+"""A model whose one-token forward takes longer than this is not probed (its forwards are bound by reading the
+weights, so width is nearly free: no cut)."""
+
+
+@dataclass(frozen=True)
+class ForwardCosts:
+    """Seconds of a batch-1 forward by width, measured on one loaded model and device."""
+
+    widths: tuple[int, ...]
+    """The widths timed, increasing, starting at 1."""
+    seconds: tuple[float, ...]
+    """Median seconds of a forward of each of those widths."""
+
+    def of(self, width: int) -> float:
+        """Seconds of a forward of `width` tokens (interpolated between the measured widths)."""
+        widths, seconds = self.widths, self.seconds
+        for i in range(1, len(widths)):
+            if width <= widths[i] or i == len(widths) - 1:
+                w0, w1, s0, s1 = widths[i - 1], widths[i], seconds[i - 1], seconds[i]
+                return s0 + (s1 - s0) * (width - w0) / (w1 - w0)
+        return seconds[0]
+
+    def describe(self) -> str:
+        return ", ".join(f"{w}: {s * 1e3:.1f} ms" for w, s in zip(self.widths, self.seconds))
+
+
+@torch.inference_mode()
+def measure(model, widths: tuple[int, ...] = PROBE_WIDTHS, repeats: int = PROBE_REPEATS) -> ForwardCosts | None:
+    """Time batch-1 forwards of `widths` tokens (no cache) on the model as loaded; None when one forward takes
+    longer than MAX_PROBE_SECONDS. After an untimed round (kernels pick their code for each shape on first use),
+    widths are timed in turn, `repeats` rounds, so that a drift of the machine touches them all alike."""
+    device = next(model.parameters()).device
+    vocab = model.get_input_embeddings().num_embeddings
+
+    def forward(width: int) -> float:
+        ids = torch.arange(width, device=device).remainder(vocab)[None]
+        start = time.perf_counter()
+        model(input_ids=ids, position_ids=torch.arange(width, device=device)[None], use_cache=False,
+              logits_to_keep=width)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    if forward(1) > MAX_PROBE_SECONDS:
+        return None
+    for w in widths:
+        forward(w)
+    times = {w: [] for w in widths}
+    for _ in range(repeats):
+        for w in widths:
+            times[w].append(forward(w))
+    seconds = [statistics.median(times[w]) for w in widths]
+    for i in range(1, len(seconds)):  # a wider forward never costs less (noise aside)
+        seconds[i] = max(seconds[i], seconds[i - 1])
+    return ForwardCosts(tuple(widths), tuple(seconds))
+
+
+@dataclass
+class AcceptanceByDepth:
+    """How the drafts of one source fared in one sequence: at each depth (1 = the first draft of a chain), how
+    many were verified with every draft before them accepted, and how many of those were accepted."""
+
+    reached: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """A verified chain of `drafted` drafts of which the first `accepted` were accepted."""
+        depth = min(accepted + 1, drafted)  # the drafts verified with every earlier one accepted
+        grow = depth - len(self.reached)
+        if grow > 0:
+            self.reached += [0] * grow
+            self.accepted += [0] * grow
+        for i in range(depth):
+            self.reached[i] += 1
+            self.accepted[i] += i < accepted
+
+    def rate(self, depth: int) -> float:
+        """Chance that the draft at `depth` (1-based) is accepted once every earlier one was (Beta(1, 1) prior)."""
+        i = depth - 1
+        if i >= len(self.reached):
+            return 0.5
+        return (self.accepted[i] + 1) / (self.reached[i] + 2)
+
+
+def best_draft_count(available: int, acceptance: AcceptanceByDepth, costs: ForwardCosts, width: int = 1) -> int:
+    """How many of `available` drafts to verify: the count that maximizes expected committed tokens per second of
+    forward. `width`: the forward's other tokens (the next token: 1)."""
+    best, best_rate = 0, 1.0 / costs.of(width)
+    expected, chance = 1.0, 1.0  # tokens committed: the next token, plus each draft times its chance
+    for n in range(1, available + 1):
+        chance *= acceptance.rate(n)
+        expected += chance
+        rate = expected / costs.of(width + n)
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return best

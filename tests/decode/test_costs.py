@@ -1,0 +1,79 @@
+"""The cost-aware draft count: forward costs by width, acceptance by depth, and the count that maximizes tokens
+per second; in the exact mode it changes how many drafts a round verifies, never the output."""
+
+import pytest
+import torch
+
+import refusion
+from refusion.decode.costs import AcceptanceByDepth, ForwardCosts, best_draft_count, measure
+from refusion.model.setup import plain_setup, prepare
+from refusion.model.tiny import tiny_model
+
+FLAT = ForwardCosts((1, 32), (1.0, 1.0))
+"""Width costs nothing (a GPU, packed AMX products): every draft is worth verifying."""
+PER_ROW = ForwardCosts((1, 2, 32), (1.0, 2.0, 32.0))
+"""A forward costs what its rows cost: a draft pays only if it is surely accepted."""
+
+
+def test_forward_costs_interpolate_between_measured_widths_and_extend_past_the_last():
+    costs = ForwardCosts((1, 4, 8), (1.0, 1.6, 3.6))
+    assert costs.of(1) == 1.0 and costs.of(4) == pytest.approx(1.6)
+    assert costs.of(2) == pytest.approx(1.2) and costs.of(6) == pytest.approx(2.6)
+    assert costs.of(10) == pytest.approx(4.6)  # the last segment's slope
+
+
+def test_acceptance_by_depth_counts_only_drafts_verified_after_accepted_ones():
+    record = AcceptanceByDepth()
+    assert record.rate(1) == 0.5  # nothing seen: the prior
+    record.record(drafted=4, accepted=2)  # depths 1 and 2 accepted, 3 rejected, 4 never judged on its own
+    record.record(drafted=2, accepted=2)
+    assert record.reached == [2, 2, 1] and record.accepted == [2, 2, 0]
+    assert record.rate(1) == pytest.approx(3 / 4) and record.rate(3) == pytest.approx(1 / 3)
+    assert record.rate(4) == 0.5
+
+
+def test_the_best_draft_count_maximizes_expected_tokens_per_second():
+    unseen = AcceptanceByDepth()
+    assert best_draft_count(6, unseen, FLAT) == 6  # free drafts: all of them
+    assert best_draft_count(6, unseen, PER_ROW) == 0  # 1.5 tokens for 2 rows' cost: not worth it
+    sure = AcceptanceByDepth()
+    for _ in range(50):
+        sure.record(drafted=3, accepted=3)
+    # rates 51/52 at depths 1-3, 1/2 beyond: with forwards costing 1 + 0.25 per draft, the three sure drafts pay
+    # (3.9 tokens for 1.75) and a fourth, accepted half the time, does not (4.4 for 2.0 is less than 3.9 / 1.75)
+    costs = ForwardCosts((1, 9), (1.0, 3.0))
+    assert best_draft_count(8, sure, costs) == 3
+    assert best_draft_count(2, sure, costs) == 2  # no more than there are
+
+
+def test_measured_costs_are_one_per_probed_width_and_never_fall_with_width():
+    model = tiny_model("llama")
+    costs = measure(model, widths=(1, 4, 16), repeats=2)
+    assert costs.widths == (1, 4, 16) and len(costs.seconds) == 3
+    assert all(a <= b for a, b in zip(costs.seconds, costs.seconds[1:])) and costs.seconds[0] > 0
+    assert prepare(tiny_model("llama")).forward_costs is not None  # prepare measures them
+
+
+def test_the_cost_aware_count_changes_the_drafts_never_the_output():
+    """Flat costs verify every copied draft (as without costs), per-row costs verify none; both decode AR's
+    tokens."""
+    model = tiny_model("qwen3")
+    prompts = [[1, 5, 7, 9, 5, 7, 9, 5, 7], [3, 4, 3, 4, 3, 4, 3], [12, 13, 14, 15, 16]]
+    ar = refusion.generate(model, prompts, max_new_tokens=24, strategy="autoregressive", eos_token_id=2).sequences
+    cfg = refusion.DecodeConfig(max_new_tokens=24, strategy="speculative", draft_length=0, lookup_length=6,
+                                eos_token_id=2)
+    runs = {}
+    for name, costs in (("unmeasured", None), ("flat", FLAT), ("per_row", PER_ROW)):
+        setup = plain_setup(model).replace(forward_costs=costs)
+        out = refusion.generate(model, prompts, cfg, setup=setup, trace=True)
+        assert out.sequences == ar, name
+        runs[name] = out
+    drafted = {name: sum(s.drafted for s in out.stats.per_sequence) for name, out in runs.items()}
+    assert drafted["flat"] == drafted["unmeasured"] > 0
+    assert runs["flat"].traces == runs["unmeasured"].traces
+    assert drafted["per_row"] == 0
+
+
+def test_a_plain_model_measures_nothing():
+    model = tiny_model("qwen3", dtype=torch.float64)
+    assert plain_setup(model).forward_costs is None
