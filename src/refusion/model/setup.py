@@ -19,7 +19,6 @@ import warnings
 import weakref
 from dataclasses import dataclass, replace
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from refusion.model.draft_table import TABLE_FILE, DraftTable
