@@ -2,7 +2,8 @@
 
 Everything is measured in one run on the same model and prompts (these machines are noisy): a randomly
 initialised ~100M-parameter Llama (SmolLM2-135M's shape), ReFusion and AR decoding, batch 1 vs batch B.
-Ends with one JSON line.
+Plan and infill runs three ways: the default (fused planning where the measured forward costs say it pays,
+`decode.costs`), always fused (a model refusion did not prepare), and unfused. Ends with one JSON line.
 
     python benchmarks/decode_engine.py [--batch 8] [--max-new-tokens 64] [--dtype bfloat16] [--repeats 2]
 """
@@ -19,6 +20,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import refusion
+from refusion.decode.costs import measure
+from refusion.model.setup import plain_setup
 
 
 def build_model(dtype: torch.dtype, seed: int = 0):
@@ -33,14 +36,14 @@ def build_model(dtype: torch.dtype, seed: int = 0):
     return model
 
 
-def timed(model, prompts, cfg, batch: int, repeats: int) -> dict:
+def timed(model, prompts, cfg, batch: int, repeats: int, setup) -> dict:
     """Decode `prompts` in batches of `batch`; best-of-`repeats` wall time and totals."""
     runs = []
     for _ in range(repeats):
         tokens = forwards = 0
         seconds = forward_seconds = 0.0
         for i in range(0, len(prompts), batch):
-            out = refusion.generate(model, prompts[i:i + batch], cfg)
+            out = refusion.generate(model, prompts[i:i + batch], cfg, setup=setup)
             tokens += out.stats.batch.tokens
             forwards += out.stats.batch.forwards
             seconds += out.stats.batch.seconds
@@ -85,12 +88,18 @@ def main() -> None:
     refusion.generate(model, prompts[:2], base.replace(max_new_tokens=8))  # warm-up
     refusion.generate(model, prompts[:2], base.for_strategy("autoregressive").replace(max_new_tokens=8))
 
+    # what `refusion.prepare` measures: the cost of each forward width (cost-aware fused planning); the
+    # "always fused" mode decodes without it, as a model refusion did not prepare does
+    costs = measure(model)
+    with_costs, without_costs = plain_setup(model).replace(forward_costs=costs), plain_setup(model)
+    print("forward costs:", costs.describe() if costs else None)
     results = {}
-    for name, cfg in {"refusion": base, "refusion_unfused": base.replace(fused_plan=False),
+    for name, cfg in {"refusion": base, "refusion_always_fused": base, "refusion_unfused": base.replace(fused_plan=False),
                       "refusion_recompute": base.replace(kv_cache="recompute"),
                       "speculative": base.for_strategy("speculative").replace(predraft=True),
                       "autoregressive": base.for_strategy("autoregressive")}.items():
-        results[name] = {f"batch_{b}": timed(model, prompts, cfg, b, args.repeats) for b in (1, args.batch)}
+        setup = without_costs if name == "refusion_always_fused" else with_costs
+        results[name] = {f"batch_{b}": timed(model, prompts, cfg, b, args.repeats, setup) for b in (1, args.batch)}
         results[name]["batch_speedup"] = (results[name][f"batch_{args.batch}"]["tokens_per_second"]
                                           / results[name]["batch_1"]["tokens_per_second"])
     results["transformers_generate"] = {"batch_1": hf_generate(model, prompts, args.max_new_tokens, args.repeats)}
@@ -104,6 +113,9 @@ def main() -> None:
         / results["refusion_unfused"][b1]["forwards"],
         "fused_over_unfused_tokens_per_second_batch_1": results["refusion"][b1]["tokens_per_second"]
         / results["refusion_unfused"][b1]["tokens_per_second"],
+        "default_over_unfused_tokens_per_second": {
+            b: results["refusion"][b]["tokens_per_second"] / results["refusion_unfused"][b]["tokens_per_second"]
+            for b in (b1, f"batch_{args.batch}")},
         "reuse_over_recompute_tokens_per_second_batch_1": results["refusion"][b1]["tokens_per_second"]
         / results["refusion_recompute"][b1]["tokens_per_second"],
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),

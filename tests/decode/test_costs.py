@@ -77,3 +77,24 @@ def test_the_cost_aware_count_changes_the_drafts_never_the_output():
 def test_a_plain_model_measures_nothing():
     model = tiny_model("qwen3", dtype=torch.float64)
     assert plain_setup(model).forward_costs is None
+
+
+def test_fused_planning_rides_only_where_its_width_pays():
+    """With flat costs the next plan rides on every forward that may end a round (as without costs); where a row
+    costs what a forward costs it never pays, and the forwards are the unfused algorithm's; the tokens are the
+    same in all three."""
+    model = tiny_model("qwen3", dtype=torch.float64)
+    prompts = [[1, 5, 7, 9], [1, 3, 4, 5, 6, 7, 8, 10, 11], [12, 13, 14, 15, 16]]
+    cfg = refusion.DecodeConfig(max_new_tokens=24, slot_size=2, block_size=8, slot_threshold=0.3,
+                                token_threshold=0.2, eos_token_id=2)
+    unfused = refusion.generate(model, prompts, cfg.replace(fused_plan=False), trace=True)
+    runs = {name: refusion.generate(model, prompts, cfg, setup=plain_setup(model).replace(forward_costs=costs),
+                                    trace=True)
+            for name, costs in (("unmeasured", None), ("flat", FLAT), ("per_row", PER_ROW))}
+    for name, out in runs.items():
+        assert out.sequences == unfused.sequences, name
+    forwards = {name: sum(s.forwards for s in out.stats.per_sequence) for name, out in runs.items()}
+    assert runs["flat"].traces == runs["unmeasured"].traces
+    assert forwards["flat"] < sum(s.forwards for s in unfused.stats.per_sequence)
+    assert forwards["per_row"] == sum(s.forwards for s in unfused.stats.per_sequence)
+    assert not any(r.fused_plan for rounds in runs["per_row"].traces for r in rounds)

@@ -14,6 +14,13 @@ is chosen from two measurements:
 `best_draft_count` then takes the count n that maximizes the expected tokens committed per second,
 (1 + sum over i <= n of the chance that the first i drafts are accepted) / cost(n + 1). Verifying fewer drafts
 never changes what is committed (the exact mode commits AR decoding's tokens whatever it drafts), only how fast.
+
+Fused planning trades the same way: the next round's plan rides on a forward that may end this round, which
+saves the plan's own forward only when the round commits everything it selected. `fusing_pays` appends it when
+the extra width costs less than the plan forward times the chance (`SuccessRate`) that it is used. In a batch,
+every sequence's rows share the forward, so the widths are counted over the batch (B sequences of w tokens: a
+forward of B·w rows): fusing that is free for one sequence on a memory-bound CPU stops paying once the batch's
+rows make the forward compute-bound.
 """
 
 from __future__ import annotations
@@ -111,6 +118,30 @@ class AcceptanceByDepth:
         if i >= len(self.reached):
             return 0.5
         return (self.accepted[i] + 1) / (self.reached[i] + 2)
+
+
+@dataclass
+class SuccessRate:
+    """How often something worked in one sequence, with a Beta(1, 1) prior (1/2 before anything is seen)."""
+
+    tries: int = 0
+    successes: int = 0
+
+    def record(self, success: bool) -> None:
+        self.tries += 1
+        self.successes += bool(success)
+
+    @property
+    def value(self) -> float:
+        return (self.successes + 1) / (self.tries + 2)
+
+
+def fusing_pays(costs: ForwardCosts | None, width: int, plan_width: int, used: SuccessRate) -> bool:
+    """Whether appending the next plan's `plan_width` masks to a forward of `width` tokens costs less than the plan
+    forward it saves times the chance that the plan is used; always, when the costs were not measured."""
+    if costs is None:
+        return True
+    return costs.of(width + plan_width) - costs.of(width) < used.value * costs.of(plan_width)
 
 
 def best_draft_count(available: int, acceptance: AcceptanceByDepth, costs: ForwardCosts, width: int = 1) -> int:

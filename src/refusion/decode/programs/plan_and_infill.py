@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from refusion.decode.costs import SuccessRate, fusing_pays
 from refusion.decode.infill import (
     accepted_prefix,
     cut_after_first_eos,
@@ -89,6 +90,7 @@ def refusion_program(seq: Sequence) -> Program:
     canvas = Canvas.of(seq)
     first_round, finished = True, False
     next_plan = None  # logits of the next round's masks, when they rode on the last forward (`with_next_plan`)
+    plan_used = SuccessRate()  # how often a round committed everything (a plan riding on it was used)
     for block in range(canvas.blocks):
         slots = canvas.block_slots(block)  # starts of the masked slots
         while slots.numel():
@@ -113,10 +115,12 @@ def refusion_program(seq: Sequence) -> Program:
             # 2-5. verify, fast accept or complete in parallel, commit
             round_ = infill_round(seq, plan, starts, first_logprobs)
             if cfg.fused_plan and upcoming.numel():
-                outcome, riding = yield from with_next_plan(round_, seq, canvas.slot_positions(upcoming), canvas.end)
+                outcome, riding = yield from with_next_plan(round_, seq, canvas.slot_positions(upcoming), canvas.end,
+                                                            plan_used)
             else:
                 outcome, riding = (yield from round_), None
             next_plan = riding if outcome.commits_all else None
+            plan_used.record(outcome.commits_all)
 
             slots = slots[~torch.isin(slots, outcome.committed_starts)]
             if outcome.eos_start is not None:
@@ -265,10 +269,11 @@ def parallel_completion(seq: Sequence, drafts: torch.Tensor, positions: torch.Te
 
 
 def with_next_plan(round_: Generator[Forward, torch.Tensor, RoundOutcome], seq: Sequence,
-                   mask_positions: torch.Tensor, upto: int):
+                   mask_positions: torch.Tensor, upto: int, plan_used: SuccessRate):
     """Fused planning: run a round, appending to each of its forwards that may end it (`Forward.may_end_round`) the
     masks of the next round's plan, as their own attention group reading every pending entry the round may commit
-    (positions up to `upto`).
+    (positions up to `upto`), where that pays for its width (`costs.fusing_pays`: the model's forward costs and
+    `plan_used`, how often this sequence's rounds committed everything).
 
     Returns (the round's outcome, the masks' logits from the round's last forward, or None when that forward did
     not carry them). When the round commits everything it selected, those logits are exactly the next round's
@@ -278,7 +283,9 @@ def with_next_plan(round_: Generator[Forward, torch.Tensor, RoundOutcome], seq: 
     request = next(round_)
     while True:
         riding = None
-        if request.may_end_round:
+        batch = seq.cache.batch_size  # a batch's forward has every sequence's rows: its cost is theirs together
+        if request.may_end_round and fusing_pays(seq.forward_costs, batch * request.tokens.numel(),
+                                                 batch * mask_positions.numel(), plan_used):
             group = int(request.groups.max()) + 1
             logits = yield request.with_branch(mask_tokens, mask_positions, group, upto)
             logits, riding = logits[: request.logits_count], logits[request.logits_count:]
