@@ -9,8 +9,10 @@ GGUF's 4-bit blocks), then llama.cpp's plain greedy decoding of the base GGUF (`
 kernel's AR decoding, how many outputs equal that kernel's AR decoding (the exact mode's promise) and how many
 AR outputs equal the first kernel's (what switching kernels changes). Ends with one JSON line.
 
-The prompts (`PROMPT_GROUPS`) are none of the tuning prompts named in docs/BENCHMARKS.md ("Prompts"): GSM8K test
-from example 401, ARC-Challenge test from 301, MBPP test ids from 311, and open-ended requests written here.
+The prompts are none of the tuning prompts named in docs/BENCHMARKS.md ("Prompts"): GSM8K test from example 401,
+ARC-Challenge test from 301, MBPP test ids from 311 (`PROMPT_GROUPS`), and the held-out part of the open-ended set
+(`refusion/open_ended.py`): its explanations, stories and how-tos ("open-ended") and its rewrites and summaries of
+a given text ("copy-heavy").
 
     python benchmarks/linear_kernels.py [--per-group 6] [--max-new-tokens 128] [--kernels auto,int4]
                                  [--llama-cpp DIR] [--threads 2]
@@ -43,27 +45,20 @@ from refusion.eval.tasks import load_examples
 from refusion.model.embedded import default_decode_settings
 from refusion.model.loading import encode_prompts, load, smollm2_gguf_path
 from refusion.model.setup import setup_of
-
-OPEN_ENDED = [
-    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-    "Explain why the sky is blue to a ten-year-old.",
-    "Give me five tips for staying focused while studying at home.",
-    "Describe a perfect Sunday morning in a small seaside town.",
-    "What are the pros and cons of working from home? Answer in two short lists.",
-    "Write a friendly email inviting my neighbours to a garden party next Saturday.",
-    "Summarize the water cycle in a few sentences.",
-    "How do I plant tomatoes in a pot on a balcony?",
-]
-"""Open-ended requests (nothing to copy from the prompt): written for this benchmark, never used for tuning."""
+from refusion.open_ended import open_ended_prompts
 
 PROMPT_GROUPS = {"gsm8k": ("gsm8k", 400), "arc": ("arc_challenge", 300), "mbpp": ("mbpp", 300)}
 """Task prompt groups: (evaluation task, examples skipped): past every tuning prompt (docs/BENCHMARKS.md)."""
 
 
 def prompt_groups(per_group: int) -> dict[str, list[str]]:
+    """The task groups, then the held-out open-ended requests: "open-ended" (explanations, stories, how-tos) and
+    "copy-heavy" (rewrites and summaries of a given text)."""
     groups = {name: [ex.prompt for ex in load_examples(task, limit=skip + per_group)[skip:]]
               for name, (task, skip) in PROMPT_GROUPS.items()}
-    groups["open-ended"] = OPEN_ENDED[:per_group]
+    held_out = open_ended_prompts("test")
+    groups["open-ended"] = [p for origin, p in held_out if ":rewrite:" not in origin][:per_group]
+    groups["copy-heavy"] = [p for origin, p in held_out if ":rewrite:" in origin][:per_group]
     return groups
 
 

@@ -26,7 +26,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--input", default=None, metavar="JSONL",
                    help='prompts from a JSONL file of {"prompt": ...} (or "query") records, or the questions of a '
                         f"built-in train/validation set ({', '.join(BUILTIN_DATASETS)}) in `refusion eval`'s prompt "
-                        "format; distill-mix interleaves all the others")
+                        "format; distill-mix interleaves all the others; open-ended (open-ended-test: its held-out "
+                        "part) composed requests with little to copy (refusion/open_ended.py)")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="with --input: only the first N prompts")
     p.add_argument("--output", default=None, metavar="JSONL",
                    help='with --input: write {"query", "response", "origin", "stats"} lines here (the training data '
@@ -124,9 +125,12 @@ def read_prompt_file(path: str) -> list[tuple[str, str]]:
     """(origin "file:line", prompt) of each record of a JSONL file of {"prompt": ...} or {"query": ...} records
     (errors name the line), or of a built-in prompt set when `path` is its name and no such file exists."""
     from refusion.data import builtin_train_pairs
+    from refusion.open_ended import SPLITS, open_ended_prompts
 
     if path in BUILTIN_DATASETS and not os.path.exists(path):
         return [(origin, query) for origin, query, _ in builtin_train_pairs(path)]
+    if path in SPLITS and not os.path.exists(path):
+        return open_ended_prompts(SPLITS[path])
     prompts = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):

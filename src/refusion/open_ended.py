@@ -1,0 +1,79 @@
+"""Open-ended requests: explanations, stories, how-tos, lists, rewrites and summaries, where an answer has little
+to copy from its prompt (unlike GSM8K, ARC or MBPP answers, which reuse the question's words and their own stock
+phrases).
+
+The set is composed here, deterministically: request templates of five kinds crossed with topics written for the
+project, plus rewrites and summaries of GSM8K train questions (the data folder's texts; never a test split). A
+fixed shuffle then puts every fifth request in the held-out part: `open_ended_prompts("test")` is for measuring
+(benchmarks, the exact mode's speed where nothing can be copied) and is never used to choose a setting or to
+train; `open_ended_prompts("train")` is what a drafter may be distilled and trained on (`refusion generate
+--input open-ended`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from pathlib import Path
+
+EXPLAIN = ("Explain {} to a ten-year-old.", "What is {}? Answer in a short paragraph.",
+           "Why does {} matter? Give three reasons.", "Describe how {} works, step by step.",
+           "Write a short encyclopedia entry about {}.")
+CONCEPTS = ("photosynthesis", "the water cycle", "gravity", "inflation", "a vaccine", "the internet", "a volcano",
+            "compound interest", "recycling", "the immune system", "a black hole", "democracy", "electricity",
+            "an earthquake", "the stock market", "climate change", "sleep", "memory", "a rainbow", "the tides",
+            "bread dough rising", "a solar panel", "the phases of the moon", "a battery", "friction", "evolution",
+            "the printing press", "coffee brewing", "email", "supply and demand")
+
+STORY = ("Write a short story about {}.", "Write a short poem about {}.", "Describe {} in a vivid paragraph.",
+         "Write a diary entry from the point of view of {}.")
+SUBJECTS = ("a lighthouse keeper", "a lost kitten", "a robot learning to paint", "an old oak tree",
+            "a rainy day in the city", "a dragon who is afraid of heights", "a child's first day at school",
+            "a fishing village at dawn", "a time traveller", "a busy train station", "a snowman",
+            "a forgotten library", "a street musician", "a sailor in a storm", "a garden in spring",
+            "a mountain climber", "an astronaut", "a baker at midnight", "a small town festival", "a talking parrot")
+
+HOW_TO = ("How do I {}? Give clear steps.", "Give me five tips to {}.",
+          "What mistakes do people often make when they try to {}?", "Write a checklist for someone who wants to {}.")
+ACTIVITIES = ("grow tomatoes on a balcony", "learn to swim", "save money every month", "prepare for a job interview",
+              "start running", "make a good cup of tea", "organize a small birthday party", "learn a new language",
+              "keep a houseplant alive", "write a polite email", "study for an exam", "cook rice",
+              "clean a bicycle chain", "train a puppy", "pack for a weekend trip", "improve my handwriting",
+              "spend less time on my phone", "start a vegetable garden", "make friends in a new city", "bake bread")
+
+REWRITE = ("Summarize the following text in one sentence.\n\n{}", "Rewrite the following text in simpler words.\n\n{}",
+           "Turn the following text into a short story.\n\n{}")
+REWRITTEN_TEXTS = 40
+"""GSM8K train questions rewritten or summarized (the first ones of the file)."""
+HELD_OUT_EVERY = 5
+"""Every fifth request of the shuffled set is held out."""
+SEED = 0
+"""The fixed shuffle's seed: the set and its split are the same on every machine."""
+SPLITS = {"open-ended": "train", "open-ended-test": "test"}
+"""The `generate --input` names of the two parts."""
+
+
+def _requests(data_dir: str | Path | None) -> list[tuple[str, str]]:
+    """(kind, request) of the whole set, in composition order."""
+    from refusion.data import builtin_train_file
+
+    requests = [("explain", t.format(c)) for t, c in itertools.product(EXPLAIN, CONCEPTS)]
+    requests += [("story", t.format(s)) for t, s in itertools.product(STORY, SUBJECTS)]
+    requests += [("how-to", t.format(a)) for t, a in itertools.product(HOW_TO, ACTIVITIES)]
+    with open(builtin_train_file("gsm8k", data_dir), encoding="utf-8") as f:
+        texts = [json.loads(line)["question"].strip() for line in itertools.islice(f, REWRITTEN_TEXTS)]
+    requests += [("rewrite", t.format(text)) for t, text in itertools.product(REWRITE, texts)]
+    return requests
+
+
+def open_ended_prompts(split: str, data_dir: str | Path | None = None) -> list[tuple[str, str]]:
+    """(origin, request) of one part of the set, "train" or "test", in a fixed order; the origin is
+    "open-ended:<kind>:<index in the whole set>"."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split={split!r} is invalid: must be 'train' or 'test'")
+    requests = _requests(data_dir)
+    order = list(range(len(requests)))
+    random.Random(SEED).shuffle(order)
+    chosen = [i for rank, i in enumerate(order) if (rank % HELD_OUT_EVERY == 0) == (split == "test")]
+    return [(f"open-ended:{requests[i][0]}:{i}", requests[i][1]) for i in chosen]
