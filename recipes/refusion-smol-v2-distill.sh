@@ -10,6 +10,10 @@
 #                                                              the set is then packed into OUTPUT_DIR, not recipes/)
 #   FROM=M LIMIT=N PACKED=FILE bash ...                        pack the answers to prompts M+1..N into FILE (how the
 #                                                              second and third sets were packed)
+#   INPUT=open-ended bash recipes/refusion-smol-v2-distill.sh  the same for another prompt set: the train part of the
+#                                                              open-ended requests (refusion/open_ended.py), into
+#                                                              runs/open-ended-distill and
+#                                                              recipes/data/open-ended-distill.jsonl.gz
 # Answers are decoded in fp32 (DTYPE=bfloat16 to change; the first and third committed sets are fp32, the second
 # bf16): bf16 greedy answers differ from fp32's in most long answers, and on AMX CPUs, where bf16 is
 # `refusion.load()`'s default, batches of 32 decode 2x slower in its row-exact bf16 than in fp32.
@@ -17,16 +21,18 @@
 # 2-core AVX2 CPU in fp32, so the whole mix (16835 prompts) is ~20 h there (docs/TRAINING.md, "Distilling from
 # the base"). Where there is a CUDA GPU the same command uses it; LIMIT=N makes a prefix, which is still a mix.
 set -euo pipefail
-OUT=${1:-runs/refusion-smol-v2-distill}
+INPUT=${INPUT:-distill-mix}
+NAME=$([ "$INPUT" = distill-mix ] && echo refusion-smol-v2 || echo "$INPUT")
+OUT=${1:-runs/$NAME-distill}
 LIMIT=${LIMIT:-}
 FROM=${FROM:-0}
 if [ -n "${PACKED:-}" ]; then :
-elif [ -n "$LIMIT" ]; then PACKED="$OUT/refusion-smol-v2-distill.jsonl.gz"
-else PACKED=recipes/data/refusion-smol-v2-distill.jsonl.gz; fi
+elif [ -n "$LIMIT" ]; then PACKED="$OUT/$NAME-distill.jsonl.gz"
+else PACKED=recipes/data/$NAME-distill.jsonl.gz; fi
 mkdir -p "$OUT" "$(dirname "$PACKED")"
 
 # 1. the base model's greedy answers, one JSON line per prompt, in the mix's order (resumable)
-refusion generate --model smollm2 --strategy autoregressive --input distill-mix ${LIMIT:+--limit "$LIMIT"} \
+refusion generate --model smollm2 --strategy autoregressive --input "$INPUT" ${LIMIT:+--limit "$LIMIT"} \
   --max-new-tokens 384 --batch-size ${BATCH:-32} --dtype ${DTYPE:-float32} --output "$OUT/answers.jsonl"
 
 # 2. keep the answers that ended with EOS (those cut at the length limit teach no ending), as training records

@@ -144,3 +144,31 @@ def test_generate_over_the_mix_writes_training_records_and_resumes(tiny_model_di
     other.write_text(json.dumps({"query": "something else", "response": "r"}) + "\n")
     assert main([*argv, "--output", str(other)]) == 2
     assert f"{other}:1: answers another prompt than --input's record 1 (gsm8k/train.jsonl:1)" in capsys.readouterr().err
+
+
+def test_the_open_ended_set_is_fixed_and_its_held_out_part_apart(data_dir):
+    from refusion.open_ended import HELD_OUT_EVERY, open_ended_prompts
+
+    train, test = open_ended_prompts("train", data_dir), open_ended_prompts("test", data_dir)
+    assert open_ended_prompts("test", data_dir) == test  # the same set and split on every call
+    assert not {p for _, p in train} & {p for _, p in test}
+    whole = len(train) + len(test)
+    assert len(test) == -(-whole // HELD_OUT_EVERY)
+    kinds = {origin.split(":")[1] for origin, _ in test}
+    assert kinds == {origin.split(":")[1] for origin, _ in train} == {"explain", "story", "how-to", "rewrite"}
+    rewrites = [p for origin, p in train + test if ":rewrite:" in origin]
+    assert all(p.endswith(("gsm 0?", "gsm 1?", "gsm 2?")) for p in rewrites)  # GSM8K train questions, not test
+    with pytest.raises(ValueError, match="split='dev'"):
+        open_ended_prompts("dev", data_dir)
+
+
+def test_generate_reads_the_open_ended_set_by_name(tiny_model_dir, data_dir, tmp_path, monkeypatch):
+    from refusion.open_ended import open_ended_prompts
+
+    monkeypatch.setenv("REFUSION_DATA_DIR", str(data_dir))
+    monkeypatch.chdir(tmp_path)
+    target = tmp_path / "answers.jsonl"
+    assert main(["generate", "--model", tiny_model_dir, "--input", "open-ended-test", "--limit", "3", "--output",
+                 str(target), "--max-new-tokens", "2", "--strategy", "autoregressive"]) == 0
+    records = [json.loads(line) for line in target.read_text().splitlines()]
+    assert [(r["origin"], r["query"]) for r in records] == open_ended_prompts("test", data_dir)[:3]
