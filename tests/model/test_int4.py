@@ -28,6 +28,16 @@ def quantized(weight: torch.Tensor, kind: str = "Q4_1") -> tuple[np.ndarray, Int
     return raw, Int4Blocks(torch.from_numpy(q), scale, zero)
 
 
+@torch.no_grad()
+def layer_on_blocks(in_features: int, out_features: int, bias: bool = False) -> tuple[nn.Linear, Int4Blocks]:
+    """A bf16 layer whose weight is exactly what its Q4_1 blocks hold, and the blocks."""
+    torch.manual_seed(0)
+    layer = nn.Linear(in_features, out_features, bias=bias, dtype=torch.bfloat16)
+    _, blocks = quantized(layer.weight)
+    layer.weight.copy_(blocks.dequantize())
+    return layer, blocks
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
 def test_blocks_unpack_to_what_gguf_dequantizes(kind):
     torch.manual_seed(0)
@@ -38,10 +48,7 @@ def test_blocks_unpack_to_what_gguf_dequantizes(kind):
 
 @torch.no_grad()
 def test_int4_product_is_the_blocks_weight_and_every_row_comes_out_as_alone():
-    torch.manual_seed(0)
-    layer = nn.Linear(4 * GROUP, 64, bias=True, dtype=torch.bfloat16)
-    _, blocks = quantized(layer.weight)
-    layer.weight.copy_(blocks.dequantize())
+    layer, blocks = layer_on_blocks(4 * GROUP, 64, bias=True)
     int4.check_blocks(layer, blocks)
     reference = nn.Linear(4 * GROUP, 64, bias=True, dtype=torch.bfloat16)
     reference.load_state_dict(layer.state_dict())
@@ -57,21 +64,14 @@ def test_int4_product_is_the_blocks_weight_and_every_row_comes_out_as_alone():
 
 @torch.no_grad()
 def test_blocks_that_do_not_describe_the_weight_are_refused():
-    torch.manual_seed(0)
-    layer = nn.Linear(2 * GROUP, 32, bias=False, dtype=torch.bfloat16)
-    _, blocks = quantized(layer.weight)
-    layer.weight.copy_(blocks.dequantize())
+    layer, blocks = layer_on_blocks(2 * GROUP, 32)
     layer.weight[3, 5] += 0.5  # an adapter merged into the weight
     with pytest.raises(ValueError, match="not the file's 4-bit blocks"):
         int4.check_blocks(layer, blocks)
 
 
 def test_a_weight_written_after_the_switch_is_not_multiplied_by_stale_blocks():
-    torch.manual_seed(0)
-    layer = nn.Linear(2 * GROUP, 32, bias=False, dtype=torch.bfloat16)
-    with torch.no_grad():
-        _, blocks = quantized(layer.weight)
-        layer.weight.copy_(blocks.dequantize())
+    layer, blocks = layer_on_blocks(2 * GROUP, 32)
     int4.switch_to_int4(layer, *int4.pack(blocks))
     x = torch.randn(3, 2 * GROUP).to(torch.bfloat16)
     layer(x).float().sum().backward()  # grad enabled: the plain product, with autograd
