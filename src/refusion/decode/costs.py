@@ -25,6 +25,7 @@ rows make the forward compute-bound.
 
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -69,12 +70,13 @@ def measure(model, widths: tuple[int, ...] = PROBE_WIDTHS, repeats: int = PROBE_
     widths are timed in turn, `repeats` rounds, so that a drift of the machine touches them all alike."""
     device = next(model.parameters()).device
     vocab = model.get_input_embeddings().num_embeddings
+    keep = {"logits_to_keep": 0} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
     def forward(width: int) -> float:
         ids = torch.arange(width, device=device).remainder(vocab)[None]
         start = time.perf_counter()
         model(input_ids=ids, position_ids=torch.arange(width, device=device)[None], use_cache=False,
-              logits_to_keep=width)
+              **{k: width for k in keep})
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
