@@ -70,13 +70,13 @@ def measure(model, widths: tuple[int, ...] = PROBE_WIDTHS, repeats: int = PROBE_
     widths are timed in turn, `repeats` rounds, so that a drift of the machine touches them all alike."""
     device = next(model.parameters()).device
     vocab = model.get_input_embeddings().num_embeddings
-    keep = {"logits_to_keep": 0} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters  # logits of every row, as decoding
 
     def forward(width: int) -> float:
         ids = torch.arange(width, device=device).remainder(vocab)[None]
+        keep = {"logits_to_keep": width} if takes_keep else {}
         start = time.perf_counter()
-        model(input_ids=ids, position_ids=torch.arange(width, device=device)[None], use_cache=False,
-              **{k: width for k in keep})
+        model(input_ids=ids, position_ids=torch.arange(width, device=device)[None], use_cache=False, **keep)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
