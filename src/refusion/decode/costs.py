@@ -25,7 +25,6 @@ rows make the forward compute-bound.
 
 from __future__ import annotations
 
-import inspect
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -70,13 +69,10 @@ def measure(model, widths: tuple[int, ...] = PROBE_WIDTHS, repeats: int = PROBE_
     widths are timed in turn, `repeats` rounds, so that a drift of the machine touches them all alike."""
     device = next(model.parameters()).device
     vocab = model.get_input_embeddings().num_embeddings
-    takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters  # logits of every row, as decoding
-
-    def forward(width: int) -> float:
+    def forward(width: int) -> float:  # logits of every row, as a decoding forward of drafts has
         ids = torch.arange(width, device=device).remainder(vocab)[None]
-        keep = {"logits_to_keep": width} if takes_keep else {}
         start = time.perf_counter()
-        model(input_ids=ids, position_ids=torch.arange(width, device=device)[None], use_cache=False, **keep)
+        model(input_ids=ids, position_ids=torch.arange(width, device=device)[None], use_cache=False)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
