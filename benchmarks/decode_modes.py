@@ -28,6 +28,7 @@ from refusion.eval.tasks import load_examples
 from refusion.model.draft_table import DraftTable
 from refusion.model.loading import encode_prompts, load
 from refusion.model.setup import setup_of
+from refusion.open_ended import SPLITS, open_ended_prompts
 
 
 def modes(base: DecodeConfig, draft_lengths: list[int], draft_thresholds: list[float],
@@ -51,7 +52,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model path or name (default: the embedded model)")
     parser.add_argument("--prompts", type=int, default=30)
-    parser.add_argument("--task", default="gsm8k", help="the evaluation task whose prompts are decoded "
+    parser.add_argument("--task", default="gsm8k", help="the evaluation task whose prompts are decoded, or "
+                        "open-ended / open-ended-test (the parts of refusion/open_ended.py's set) "
                         "(its test split, in `refusion eval`'s prompt format)")
     parser.add_argument("--skip", type=int, default=0, help="start at this example of the task")
     parser.add_argument("--max-new-tokens", type=int, default=256)
@@ -73,8 +75,11 @@ def main() -> None:
     args = parser.parse_args()
 
     model, tokenizer = load(args.model, dtype=args.dtype, attn_implementation=args.attn)
-    examples = load_examples(args.task, limit=args.skip + args.prompts)[args.skip:]
-    prompts = encode_prompts(tokenizer, [ex.prompt for ex in examples])
+    if args.task in SPLITS:
+        texts = [text for _, text in open_ended_prompts(SPLITS[args.task])]
+    else:
+        texts = [ex.prompt for ex in load_examples(args.task, limit=args.skip + args.prompts)]
+    prompts = encode_prompts(tokenizer, texts[args.skip:args.skip + args.prompts])
     settings = preset(args.preset) if args.preset else preset("refusion-smol") if args.model is None else {}
     base = DecodeConfig(max_new_tokens=args.max_new_tokens, **settings)
     chosen = modes(base, [int(d) for d in args.draft_lengths.split(",")],
