@@ -3,8 +3,8 @@
 The exact mode verifies a chain of drafted tokens in one forward. Every accepted draft saves a forward, but every
 draft also widens the forward, and what width costs depends on the kernels: packed bf16 products on an AMX CPU
 cost about the same for 1 and 16 rows, the int4 kernel computes row by row (a 16-row forward of the embedded
-model costs ~2x a one-row one), and a GPU should pay little for it (not measured yet). So the number of drafts a round verifies
-is chosen from two measurements:
+model costs ~2x a one-row one), and a GPU should pay little for it (not measured yet). So the number of drafts
+a round verifies is chosen from two measurements:
 
 * `ForwardCosts`: seconds of a batch-1 forward of each width, timed once on the loaded model (`measure`,
   called by `refusion.prepare`);
