@@ -111,16 +111,15 @@ def main() -> None:
                     setup = setup_of(model)  # exact_every_draft: no cost-aware cut of the drafts
                     out = generate(model, ids, cfg, setup=setup.replace(forward_costs=None)
                                    if mode == "exact_every_draft" else setup)
-                    s = out.stats.per_sequence[0]
-                    outputs[f"{kernel}/{mode}"] = out.sequences[0]
-                    rows.append({"group": group, "prompt": i, "engine": f"{kernel}/{mode}", "tokens": s.tokens,
-                                 "seconds": s.seconds, "forwards": s.forwards})
-            for kernel in kernels:
-                for row in rows[-len(outputs):]:
-                    if row["engine"].startswith(f"{kernel}/exact"):
-                        row["identical_to_ar"] = outputs[row["engine"]] == outputs[f"{kernel}/ar"]
-                    if row["engine"] == f"{kernel}/ar":
-                        row["identical_to_first_kernel"] = outputs[row["engine"]] == outputs[f"{first}/ar"]
+                    s, engine = out.stats.per_sequence[0], f"{kernel}/{mode}"
+                    outputs[engine] = out.sequences[0]
+                    row = {"group": group, "prompt": i, "engine": engine, "tokens": s.tokens, "seconds": s.seconds,
+                           "forwards": s.forwards}
+                    if mode == "ar":  # decoded first for each kernel, and the first kernel first
+                        row["identical_to_first_kernel"] = outputs[engine] == outputs[f"{first}/ar"]
+                    else:
+                        row["identical_to_ar"] = outputs[engine] == outputs[f"{kernel}/ar"]
+                    rows.append(row)
             if binary is not None:
                 formatted = tokenizer.decode(ids[0])
                 rows.append({"group": group, "prompt": i, "engine": "llama.cpp",

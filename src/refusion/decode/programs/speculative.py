@@ -130,8 +130,8 @@ def speculative_program(seq: Sequence) -> Program:
         if seq.grammar is not None:  # structured output: verify only drafts the grammar allows after the token
             seq.grammar.consume(token.tolist())
             drafts = drafts[: seq.grammar.valid_prefix(drafts.tokens.tolist())]
-        if copied and seq.forward_costs is not None and drafts.tokens.numel():  # as many as pay for their width
-            record = acceptance.setdefault(source, AcceptanceByDepth())
+        record = acceptance.setdefault(source, AcceptanceByDepth()) if copied else None
+        if record is not None and seq.forward_costs is not None and drafts.tokens.numel():  # those that pay
             drafts = drafts[: best_draft_count(drafts.tokens.numel(), record, seq.forward_costs)]
         n = drafts.tokens.numel()
         chain = torch.cat([token, drafts.tokens])
@@ -146,8 +146,8 @@ def speculative_program(seq: Sequence) -> Program:
         if seq.grammar is not None:  # each row masked by the grammar state after the chain tokens before it
             verifying = seq.grammar.mask_chain(verifying, drafts.tokens.tolist())
         accepted, following = accept_drafts(drafts, verifying, cfg.temperature, seq.generator)
-        if copied and n:
-            acceptance.setdefault(source, AcceptanceByDepth()).record(n, accepted)
+        if record is not None and n:
+            record.record(n, accepted)
         if seq.grammar is not None:
             seq.grammar.consume(drafts.tokens[:accepted].tolist())
         tokens = chain[: accepted + 1]
