@@ -4,11 +4,11 @@ A GGUF model such as the embedded base (SmolLM2-135M-Instruct, Q4_1) ships each 
 four-bit integers with a scale and an offset per block. The plain loader dequantizes them to bf16, so every
 decoding forward streams 2 bytes per weight from memory; a one-token forward on the CPU is bound by that stream.
 torch's weight-only int4 CPU kernel (`torch._weight_int4pack_mm_for_cpu`, groups of 32, bf16 activations)
-multiplies by the 4-bit values themselves: a quarter of the bytes. On a 2-core AMX Xeon, the 210 layer matrices
-of SmolLM2-135M take 4.8 ms per one-row forward against 19.0 ms packed bf16 (cold caches, as in a decode); the
-kernel computes each row on its own, so its cost grows with the rows (7.7 ms at 4 rows, 13.6 ms at 8) and
-every row is bit for bit what it would be alone (`int4_rows_match` checks this once), so the exact mode stays
-exact.
+multiplies by the 4-bit values themselves: a quarter of the bytes. On a 2-core AMX Xeon a whole one-token
+forward of the embedded model takes 23 ms against 39 ms with packed bf16 weights; the kernel computes each row on
+its own, so its cost grows with the rows (a 16-token forward: 46 against 43 ms; docs/BENCHMARKS.md, Current
+results: *Cost-aware drafts*, the forward costs timed at load) and every row is bit for bit what it would be
+alone (`int4_rows_match` checks this once), so the exact mode stays exact.
 
 The kernel computes w = (q - 8) * scale + zero per block with scale and zero in bf16. A Q4_1 block is
 w = d * q + m (d, m fp16), a Q4_0 block w = d * (q - 8): scale = d and zero = m + 8d (0 for Q4_0), rounded to
