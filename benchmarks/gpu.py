@@ -9,9 +9,12 @@ measured in one run on one device:
 * per decoding mode of refusion (AR, plan and infill, the exact mode): tokens/s, tokens per forward, and the time
   of a step spent outside the model's forwards (the engine's own work), as a fraction and in milliseconds;
 * transformers' `generate` (greedy, eager) and, with `--compile`, with its static cache and `torch.compile`
-  (`mode="reduce-overhead"`, CUDA graphs, on a GPU): the AR numbers users would get without refusion.
-
-refusion has no compiled path yet, so its modes run eager only (the JSON says so). Ends with one JSON line.
+  (`mode="reduce-overhead"`, CUDA graphs, on a GPU): the AR numbers users would get without refusion;
+* with `--compile`, refusion's modes again with compiled forwards (`refusion.decode.compiled`), per compiler
+  backend of `--compile-backends` ("inductor": generated kernels, CUDA graphs on a GPU; "cudagraphs": the eager
+  kernels replayed as CUDA graphs, compiles in seconds): the first (compiling) decode's seconds, then tokens/s, and
+  how many graphs were compiled while timing (0 when the warm-up decode met every shape). `--compile-budget` stops
+  starting compiled runs after that many seconds. Ends with one JSON line.
 
     python benchmarks/gpu.py                              # Qwen3-8B shape on the GPU, bf16, ~5 minutes
     python benchmarks/gpu.py --config small --device cpu  # the same measurements on a small model
@@ -27,11 +30,14 @@ import time
 import warnings
 
 import torch
+from torch._dynamo.utils import counters
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 import refusion
 from refusion.config import IgnoredSetting
 from refusion.decode.cache import cache_keyword
+from refusion.decode.compiled import compile_model
+from refusion.model.setup import setup_of
 
 CONFIGS = {
     "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -42,6 +48,11 @@ CONFIGS = {
                   tie_word_embeddings=False),
 }
 """Qwen3 configurations by name: Qwen3-8B's own, and a small one of the same family."""
+
+
+COMPILE_RUNS = ("inductor:autoregressive", "cudagraphs:autoregressive", "cudagraphs:exact",
+                "cudagraphs:plan_and_infill", "inductor:exact", "inductor:plan_and_infill")
+"""refusion's compiled runs (torch.compile backend: decoding mode), in the order they are timed."""
 
 
 def build_model(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
@@ -94,18 +105,33 @@ def refusion_modes(max_new_tokens: int) -> dict[str, refusion.DecodeConfig]:
             "exact": refusion.DecodeConfig(strategy="speculative", draft_length=4, **base)}
 
 
-def time_refusion(model, prompts: list[list[int]], cfg: refusion.DecodeConfig) -> dict:
+def time_refusion(model, prompts: list[list[int]], cfg: refusion.DecodeConfig, setup=None) -> dict:
     """Batch-1 decode of every prompt; tokens/s, tokens per forward and the time outside the model's forwards."""
     tokens = forwards = 0
     seconds = forward_seconds = 0.0
     for prompt in prompts:
-        stats = refusion.generate(model, [prompt], cfg).stats.batch
+        stats = refusion.generate(model, [prompt], cfg, setup=setup).stats.batch
         tokens, forwards = tokens + stats.tokens, forwards + stats.forwards
         seconds, forward_seconds = seconds + stats.seconds, forward_seconds + stats.forward_seconds
     outside = seconds - forward_seconds
     return {"tokens": tokens, "forwards": forwards, "seconds": seconds, "tokens_per_second": tokens / seconds,
             "tokens_per_forward": tokens / forwards, "outside_model_fraction": outside / seconds,
-            "outside_model_ms_per_step": 1000 * outside / forwards, "compiled": False}
+            "outside_model_ms_per_step": 1000 * outside / forwards, "compiled": setup is not None}
+
+
+def time_refusion_compiled(model, prompts: list[list[int]], cfg: refusion.DecodeConfig, backend: str) -> dict:
+    """`time_refusion` with the forward compiled by `backend`, after a first pass over the prompts that compiles
+    (its seconds are reported)."""
+    setup = setup_of(model).replace(compiled=compile_model(model, backend=backend))
+    counters["stats"].clear()
+    start = time.perf_counter()
+    for prompt in prompts:
+        refusion.generate(model, [prompt], cfg, setup=setup)
+    first = time.perf_counter() - start
+    graphs = counters["stats"]["unique_graphs"]
+    result = time_refusion(model, prompts, cfg, setup)
+    return result | {"backend": backend, "first_call_seconds": first, "graphs_compiled_in_warmup": graphs,
+                     "graphs_compiled_while_timing": counters["stats"]["unique_graphs"] - graphs}
 
 
 @torch.inference_mode()
@@ -130,6 +156,22 @@ def time_transformers(model, prompts: list[list[int]], max_new_tokens: int, devi
             "first_call_seconds": warmup, "compiled": compiled}
 
 
+def profile_ar(model, prompt: list[int], tokens: int = 16) -> None:
+    """Print the operators that take the host's time in refusion's AR decoding and in transformers' `generate`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = refusion_modes(tokens)["autoregressive"]
+    kwargs = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+    for name, decode in (("refusion AR", lambda: refusion.generate(model, [prompt], cfg)),
+                         ("transformers generate", lambda: model.generate(torch.tensor([prompt], device=model.device),
+                                                                          **kwargs))):
+        decode()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            decode()
+        print(f"== {name}, {tokens} tokens")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14), flush=True)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="qwen3-8b")
@@ -141,7 +183,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--widths", default="1,8,32,128")
     parser.add_argument("--repeats", type=int, default=10, help="timed forwards per width")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="also time transformers' static-cache compiled generate (default: on a GPU)")
+                        help="also time transformers' static-cache compiled generate and refusion's compiled "
+                             "modes (default: on a GPU)")
+    parser.add_argument("--profile", action="store_true", help="print the host's operator time of AR decoding")
+    parser.add_argument("--compile-runs", default=",".join(COMPILE_RUNS),
+                        help="refusion's compiled runs, BACKEND:MODE, timed in this order")
+    parser.add_argument("--compile-budget", type=float, default=300.0,
+                        help="seconds after which no further compiled refusion run starts")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", category=IgnoredSetting)
 
@@ -155,16 +203,34 @@ def main(argv: list[str] | None = None) -> dict:
                for _ in range(args.prompts)]
 
     results = {"forward_by_width": forward_ms_by_width(model, device, args.prompt_length, widths, args.repeats)}
+    print("forward_by_width", json.dumps(results["forward_by_width"]), flush=True)
     for name, cfg in refusion_modes(args.max_new_tokens).items():
         refusion.generate(model, prompts[:1], cfg.replace(max_new_tokens=min(8, args.max_new_tokens)))  # warm-up
         results[f"refusion_{name}"] = time_refusion(model, prompts, cfg)
+        print(f"refusion_{name}", json.dumps(results[f"refusion_{name}"]), flush=True)
+    if args.profile:
+        profile_ar(model, prompts[0])
     results["transformers_generate"] = time_transformers(model, prompts, args.max_new_tokens, device, False)
+    print("transformers_generate", json.dumps(results["transformers_generate"]), flush=True)
     if compiled:
         try:
             results["transformers_generate_compiled"] = time_transformers(model, prompts, args.max_new_tokens,
                                                                           device, True)
         except Exception as e:  # a compiler failure is a result too: say which
             results["transformers_generate_compiled"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        print("transformers_generate_compiled", json.dumps(results["transformers_generate_compiled"]), flush=True)
+        modes, budget_start = refusion_modes(args.max_new_tokens), time.perf_counter()
+        for run in args.compile_runs.split(","):
+            backend, name = run.split(":")
+            key = f"refusion_{name}_compiled_{backend}"
+            if time.perf_counter() - budget_start > args.compile_budget:
+                results[key] = {"skipped": f"--compile-budget {args.compile_budget:.0f} s spent"}
+                continue
+            try:
+                results[key] = time_refusion_compiled(model, prompts, modes[name], backend)
+            except Exception as e:
+                results[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            print(key, json.dumps(results[key]), flush=True)
     ar = results["refusion_autoregressive"]["tokens_per_second"]
     summary = {
         "benchmark": "gpu", "config": args.config, "device": str(device),

@@ -91,6 +91,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention", default=None, metavar="IMPL",
                         help="attention implementation: sdpa, eager or refusion_exact (default: refusion_exact for "
                              "bf16 on an AMX CPU, else sdpa)")
+    parser.add_argument("--compile", action="store_true",
+                        help="decode through torch.compile over fixed shapes (CUDA graphs on a GPU); the first "
+                             "forwards of each width compile (seconds to a minute)")
     parser.set_defaults(loads_model=True)  # `refusion.cli.main` picks the CPU threads of such a command
 
 
@@ -99,7 +102,7 @@ def load_from_args(args: argparse.Namespace, device=None):
     from refusion.model.loading import load
 
     return load(args.model, dtype=args.dtype, device=device or args.device, attn_implementation=args.attention,
-                linear=args.linear)
+                linear=args.linear, compile=args.compile)
 
 
 def add_decode_arguments(parser: argparse.ArgumentParser, *, exclude=(), preset: bool = True,

@@ -22,6 +22,12 @@ at position q also needs q - p < w to read an entry at position p (transformers'
 the bag is not in text order). One window for every layer gives one mask; layers of several kinds give a dict
 of masks keyed by layer type, which is how transformers models with `config.layer_types` take them.
 
+Fixed shapes (`static=True`, what a compiled forward needs: `decode.compiled`): the KV buffers are allocated before
+the first forward, a forward writes its new entries at the columns the cache reserved for it (a small index tensor,
+not a Python slice), every layer attends over the whole buffer, and the mask always covers it (unused columns are
+EMPTY, so invisible). The shapes of a forward then depend on its batch size, its width and the capacity alone, and
+nothing in it reads a Python number that changes from step to step.
+
 Invariant, checked on every commit: a sequence's CONTEXT entries are exactly its committed tokens.
 """
 
@@ -90,15 +96,17 @@ class _BufferLayer(DynamicLayer):
         return self.owner.used
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.used + query_length, 0
+        return (self.owner.capacity if self.owner.static else self.owner.used + query_length), 0
 
 
 class SlotCache:
     """Batched bag-of-entries KV cache with per-group visibility (see the module docstring)."""
 
     def __init__(self, num_layers: int, device: torch.device, capacity: int = 256, mask_dtype: torch.dtype | None = None,
-                 windows: dict[str, int | None] | None = None):
+                 windows: dict[str, int | None] | None = None, static: tuple[int, int, torch.dtype] | None = None):
+        """static: (kv heads, head dim, dtype) for fixed shapes (see the module docstring); None: slices that grow."""
         self.num_layers = num_layers
+        self.static = static
         # {layer type: sliding window or None}: one entry -> one mask for every layer, several -> a dict of masks
         self.windows = windows or {"full_attention": None}
         self.device = torch.device(device)
@@ -112,6 +120,7 @@ class SlotCache:
         self.row_of: dict[int, int] = {}  # sequence id -> batch row
         self.committed: dict[int, int] = {}  # sequence id -> number of committed tokens
         self._pending_width = 0  # columns reserved by the forward in flight
+        self._columns: torch.Tensor | None = None  # static: those columns, as the index the layers write at
         self.hf = Cache(layers=[_BufferLayer(self, i) for i in range(num_layers)])
 
     # ----------------------------------------------------------------------------- rows
@@ -137,6 +146,8 @@ class SlotCache:
                 self.keys[i] = torch.cat([k, k.new_zeros(missing, *k.shape[1:])])
                 v = self.values[i]
                 self.values[i] = torch.cat([v, v.new_zeros(missing, *v.shape[1:])])
+                if i == self.num_layers - 1:  # every buffer is a new tensor now
+                    self._mark_static()
 
     def remove_sequences(self, seq_ids: list[int]) -> None:
         """Free the rows of finished sequences (they cost no more compute)."""
@@ -152,6 +163,7 @@ class SlotCache:
         for i, k in enumerate(self.keys):
             if k is not None:
                 self.keys[i], self.values[i] = k[index], self.values[i][index]
+        self._mark_static()
         order = sorted(self.row_of, key=self.row_of.get)
         self.row_of = {s: r for r, s in enumerate(order)}
         if not self.row_of:
@@ -174,6 +186,9 @@ class SlotCache:
         self.owner[:, cols] = groups
         self.pos[:, cols] = positions
         self._pending_width = width
+        if self.static:
+            self._static_buffers()
+            self._columns = torch.arange(self.used, self.used + width, device=self.device)
         return self._attention_mask(groups, lower_upto)
 
     def end_forward(self) -> None:
@@ -186,9 +201,10 @@ class SlotCache:
     def _attention_mask(self, groups: torch.Tensor,
                         lower_upto: torch.Tensor | None) -> torch.Tensor | dict[str, torch.Tensor] | None:
         width = groups.shape[1]
-        total = self.used + width
+        total = self.capacity if self.static else self.used + width  # static: the mask covers the whole buffer
         windowed = any(w is not None for w in self.windows.values())
-        if width == 1 and not windowed and bool((self.owner[:, :self.used] == CONTEXT).all()):
+        if (width == 1 and not windowed and not self.static
+                and bool((self.owner[:, :self.used] == CONTEXT).all())):
             return None  # one new token per row over a hole-free context: plain attention (the AR fast path)
         owner = self.owner[:, None, :total]  # [B, 1, L]
         key_col = torch.arange(total, device=self.device)  # [L]
@@ -201,7 +217,7 @@ class SlotCache:
             visible |= lower & earlier
         if not windowed:
             return self._as_mask(visible)
-        distance = self.pos[:, self.used:total, None] - self.pos[:, None, :total]  # [B, T, L] query - key position
+        distance = self.pos[:, self.used:self.used + width, None] - self.pos[:, None, :total]  # [B, T, L] query - key
         masks = {kind: self._as_mask(visible if window is None else visible & (distance < window))
                  for kind, window in self.windows.items()}
         return next(iter(masks.values())) if len(masks) == 1 else masks
@@ -214,7 +230,27 @@ class SlotCache:
         additive = torch.zeros(visible.shape, dtype=self.mask_dtype, device=self.device)
         return additive.masked_fill_(~visible, torch.finfo(self.mask_dtype).min)
 
+    def _static_buffers(self) -> None:
+        """Static: allocate every layer's KV buffer before the first forward (none is allocated inside one)."""
+        if self.keys[0] is not None:
+            return
+        heads, head_dim, dtype = self.static
+        shape = (self.batch_size, heads, self.capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
+        self._mark_static()
+
+    def _mark_static(self) -> None:
+        """Tell the compiler the KV buffers keep their addresses (CUDA graphs then write into them in place)."""
+        if self.static and self.device.type == "cuda" and self.keys[0] is not None:
+            for buf in self.keys + self.values:
+                torch._dynamo.mark_static_address(buf)
+
     def _write(self, layer: int, key: torch.Tensor, value: torch.Tensor):
+        if self.static:  # the reserved columns, by index; the whole buffer is attended (the mask hides the rest)
+            self.keys[layer].index_copy_(2, self._columns, key)
+            self.values[layer].index_copy_(2, self._columns, value)
+            return self.keys[layer], self.values[layer]
         if self.keys[layer] is None:
             shape = (self.batch_size, key.shape[1], self.capacity, key.shape[3])
             self.keys[layer] = key.new_zeros(shape)
@@ -271,6 +307,7 @@ class SlotCache:
                 v = self.values[i]
                 self.values[i] = torch.cat([v, v.new_zeros(v.shape[0], v.shape[1], extra, v.shape[3])], 2)
         self.capacity = capacity
+        self._mark_static()
 
     # ----------------------------------------------------------------------------- pending entries
     def _pending(self, seq_id: int) -> tuple[int, torch.Tensor]:

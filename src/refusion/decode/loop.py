@@ -18,6 +18,7 @@ import torch
 
 from refusion.config import DecodeConfig, layered_config
 from refusion.decode.cache import PADDING, SlotCache, attention_mask_dtype, attention_windows, cache_keyword
+from refusion.decode.compiled import bucket_width, run_compiled, static_capacity
 from refusion.decode.grammar import ResponseGrammar, check_strategy
 from refusion.decode.outputs import BatchStats, GenerationOutput, GenerationStats, RoundTrace
 from refusion.decode.programs import start_program
@@ -48,8 +49,12 @@ class Decoder:
         self.device = next(model.parameters()).device
         mask_dtype = attention_mask_dtype(model)
         text_config = model.config.get_text_config()
+        self.compiled = self.setup.compiled  # the model's compiled forward (fixed shapes: `decode.compiled`), or None
+        static = None
+        if self.compiled is not None:
+            capacity, static = static_capacity(capacity), kv_layout(text_config, model.dtype)
         self.cache = SlotCache(text_config.num_hidden_layers, self.device, capacity, mask_dtype,
-                               attention_windows(text_config))
+                               attention_windows(text_config), static=static)
         self.live: dict[int, Running] = {}
         self.stats = BatchStats()
         self._next_id = 0
@@ -132,6 +137,8 @@ class Decoder:
     def _forward(self, requests: list[Forward]) -> list[torch.Tensor]:
         """One batched forward; requests are right-aligned (left padding) in cache-row order."""
         batch, width = len(requests), max(r.tokens.numel() for r in requests)
+        bucket = bucket_width(width) if self.compiled is not None else None
+        width = bucket or width  # compiled: padded up to its bucket (padding is invisible and leaves no entry)
         input_ids = torch.zeros(batch, width, dtype=torch.long, device=self.device)
         positions = torch.zeros(batch, width, dtype=torch.long, device=self.device)
         groups = torch.full((batch, width), PADDING, dtype=torch.long, device=self.device)
@@ -144,17 +151,27 @@ class Decoder:
                 lower_upto[b, width - n:] = r.lower_upto
         keep = max(r.tokens.numel() - r.logits_from for r in requests)  # logits needed, counted from the end
         mask = self.cache.begin_forward(groups, positions, lower_upto)
-        kwargs = {"logits_to_keep": keep} if self._logits_to_keep else {}
+        kwargs = {"logits_to_keep": width if bucket else keep} if self._logits_to_keep else {}  # compiled: fixed
         start = time.perf_counter()
-        out = self.model(input_ids=input_ids, position_ids=positions, attention_mask=mask,
-                         use_cache=True, **{self._cache_keyword: self.cache.hf}, **kwargs)
+        inputs = dict(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                      **{self._cache_keyword: self.cache.hf}, **kwargs)
+        out = run_compiled(self.compiled, **inputs) if bucket else self.model(**inputs)
         logits = out.logits[:, -keep:]  # [B, keep, V]
+        if bucket:
+            logits = logits.clone()  # a CUDA graph's output buffer is overwritten by its next replay
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.stats.forward_seconds += time.perf_counter() - start
         self.stats.forwards += 1
         self.cache.end_forward()
         return [logits[b, keep - (r.tokens.numel() - r.logits_from):] for b, r in enumerate(requests)]
+
+
+def kv_layout(text_config, dtype: torch.dtype) -> tuple[int, int, torch.dtype]:
+    """(KV heads, head dim, dtype) of a model's cache entries, what a fixed-shape cache allocates up front."""
+    heads = text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    return getattr(text_config, "num_key_value_heads", None) or heads, head_dim, dtype
 
 
 # --------------------------------------------------------------------------------- generate

@@ -123,7 +123,7 @@ def _check_model_dir(path: Path) -> None:
 
 def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None = None,
          device: torch.device | str | None = None, *, attn_implementation: str | None = None,
-         linear: str = "auto"):
+         linear: str = "auto", compile: bool = False):
     """Load (model, tokenizer) ready for `refusion.generate`.
 
     Args:
@@ -137,6 +137,8 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
         linear: the linear kernel, "auto" (chosen by measurement) or pinned: "plain", "packed", "narrow", or
             "int4" (a GGUF source's 4-bit blocks multiplied directly: faster on the CPU, other rounding than bf16;
             `refusion.model.int4`) (`refusion.model.setup.prepare`).
+        compile: decode through `torch.compile` over fixed shapes (CUDA graphs on a GPU: `refusion.decode.compiled`);
+            each width's first forward compiles. Off by default (docs/DECODING.md, "Compiled forwards").
 
     The loaded model is prepared (`refusion.model.setup.prepare`): on an AMX CPU, bf16 linear layers multiply by
     weights packed once (`refusion.model.row_exact`); elsewhere on a CPU where it is faster, they multiply
@@ -160,7 +162,8 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
     model.to(device).eval()
     shipped = source.gguf_file and (source.adapter_dir is None or adapter_gate(source.adapter_dir) == "mask")
     weights_file = Path(source.path) / source.gguf_file if shipped else None  # a merged adapter changed the weights
-    prepare(model, tokenizer, directory=source.adapter_dir or source.path, linear=linear, weights_file=weights_file)
+    prepare(model, tokenizer, directory=source.adapter_dir or source.path, linear=linear, weights_file=weights_file,
+            compile=compile)
     return model, tokenizer
 
 

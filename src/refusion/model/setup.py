@@ -25,6 +25,8 @@ from refusion.model.draft_table import TABLE_FILE, DraftTable
 from refusion.model.special_tokens import SpecialTokens, resolve_special_tokens
 
 if TYPE_CHECKING:
+    import torch
+
     from refusion.decode.costs import ForwardCosts
 
 LINEAR_KERNELS = ("auto", "plain", "packed", "narrow", "int4")
@@ -92,6 +94,11 @@ class ModelSetup:
     only as many copied drafts as pay for the wider forward (`decode.costs`). None: not measured (a model refusion
     did not prepare, or one too slow to probe): every draft is verified."""
 
+    compiled: torch.nn.Module | None = None
+    """The model's forward through `torch.compile` (`decode.compiled.compile_model`): the decoder then keeps the
+    cache's shapes fixed and pads each forward to a width bucket, so a decode reuses a few graphs (CUDA graphs on a
+    GPU). None: eager forwards (the default)."""
+
     def replace(self, **changes) -> ModelSetup:
         return replace(self, **changes)
 
@@ -99,7 +106,8 @@ class ModelSetup:
         """One line for a stats footer or a log: kernels, table, promise."""
         table = f"draft table {len(self.draft_table.followers)} runs" if self.draft_table else "no draft table"
         promise = "row-exact" if self.row_exact else "rows may round differently by width"
-        return f"linear {self.kernels.linear}, attention {self.kernels.attention}, {table}, {promise}"
+        compiled = ", compiled" if self.compiled is not None else ""
+        return f"linear {self.kernels.linear}, attention {self.kernels.attention}{compiled}, {table}, {promise}"
 
 
 def attach_setup(model, setup: ModelSetup) -> ModelSetup:
@@ -127,7 +135,7 @@ def plain_setup(model) -> ModelSetup:
 
 
 def prepare(model, tokenizer=None, *, directory: str | Path | None = None, linear: str = "auto",
-            weights_file: str | Path | None = None) -> ModelSetup:
+            weights_file: str | Path | None = None, compile: bool = False) -> ModelSetup:
     """Choose the kernels of a loaded model, resolve its special tokens, find its draft table, and attach the
     resulting `ModelSetup` (what `refusion.load` does after loading; call it on a model loaded another way).
 
@@ -139,7 +147,10 @@ def prepare(model, tokenizer=None, *, directory: str | Path | None = None, linea
             probe measures them faster, else plain), or "plain" / "packed" / "narrow" to pin the choice, or "int4"
             to multiply by the 4-bit blocks of `weights_file` (bf16 on the CPU; other numbers than bf16 weights).
         weights_file: the GGUF file the model was loaded from (what "int4" reads), or None.
+        compile: run decoding forwards through `torch.compile` over fixed shapes (`refusion.decode.compiled`;
+            CUDA graphs on a GPU); the first forwards of each width compile (seconds to a minute).
     """
+    from refusion.decode.compiled import compile_model
     from refusion.decode.costs import measure
 
     check_linear(linear)
@@ -157,7 +168,7 @@ def prepare(model, tokenizer=None, *, directory: str | Path | None = None, linea
     return attach_setup(model, ModelSetup(
         special_tokens=tokens, kernels=Kernels(linear_kernel, attention, reason), draft_table=table,
         adapter_gate=_adapter_gate_of(model), row_exact=_is_row_exact(model, linear_kernel, attention),
-        forward_costs=measure(model)))
+        forward_costs=measure(model), compiled=compile_model(model) if compile else None))
 
 
 def choose_linear_kernel(model, linear: str, weights_file: str | Path | None = None) -> tuple[str, str]:
