@@ -28,12 +28,15 @@ class MaskRows:
         input_ids = args[0] if args else (kwargs or {})["input"]
         is_mask = input_ids == self.mask_token_id
         self.dense = is_mask.unsqueeze(-1)
-        self.rows = is_mask.reshape(-1).nonzero().squeeze(1)
+        # compiled forwards have fixed shapes: no row list (its length depends on the data), the gate at every row
+        self.rows = None if torch.compiler.is_compiling() else is_mask.reshape(-1).nonzero().squeeze(1)
 
     @property
-    def narrow(self) -> bool:
-        """Whether the forward is narrow (at most MAX_ROWS positions): the update is then computed at every row."""
-        return self.dense is not None and self.dense.numel() <= MAX_ROWS
+    def gated(self) -> bool:
+        """Whether the update is computed at every row times the 0/1 gate: in a narrow forward (at most MAX_ROWS
+        positions, fewer ops than selecting the rows) and in a compiled one (fixed shapes)."""
+        return self.dense is not None and (self.rows is None or self.dense.numel() <= MAX_ROWS)
+
 
 
 class MaskGatedLoRA(nn.Module):
@@ -54,10 +57,10 @@ class MaskGatedLoRA(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base_layer(x)
         rows = self.mask_rows.rows
-        if rows is None or rows.numel() == 0:
+        if self.mask_rows.dense is None or (rows is not None and rows.numel() == 0):
             return out
         flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
-        if self.mask_rows.narrow:  # a few rows: fewer ops to update them all, times the 0/1 gate
+        if self.mask_rows.gated:  # every row times the 0/1 gate (a clean row gets + 0: its base output exactly)
             low = torch.mm(flat_x.to(self.lora_a.dtype), self.lora_a).mul_(self.mask_rows.dense.reshape(-1, 1))
             if flat_out.dtype == low.dtype:
                 flat_out.addmm_(low, self.lora_b)

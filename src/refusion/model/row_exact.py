@@ -64,7 +64,10 @@ class PackedLinear(nn.Linear):
         return out.view(*x.shape[:-1], self.out_features)
 
     def _packed(self) -> torch.Tensor:
-        """The packed weight, rebuilt when the parameter was written or replaced since it was packed."""
+        """The packed weight, rebuilt when the parameter was written or replaced since it was packed (compiled: the
+        one packed before compiling, `decode.compiled.compile_model`)."""
+        if torch.compiler.is_compiling():
+            return self.packed_weight
         version = None if self.weight.is_inference() else self.weight._version  # inference tensors have none
         key = (self.weight.data_ptr(), version, self.weight.dtype)
         if getattr(self, "packed_key", None) != key:
@@ -86,7 +89,23 @@ def packing_available() -> bool:
 
 
 def _packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T (+ bias) by oneDNN's packed weight; compiled, through the opaque `_compiled_packed_product`."""
+    if torch.compiler.is_compiling():
+        return _compiled_packed_product(x, packed_weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+@torch.library.custom_op("refusion::packed_product", mutates_args=())
+def _compiled_packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The packed product as an operator torch.compile does not look into: the compiled forward calls this very
+    kernel (the compiler's own lowering of it expects weights it froze itself), so its rows stay exact. Eager
+    forwards skip it (a custom operator's dispatch costs microseconds per call)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+@_compiled_packed_product.register_fake
+def _(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed_weight.shape[0])  # the packed weight is [out, in]
 
 
 @functools.cache

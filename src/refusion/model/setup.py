@@ -97,7 +97,8 @@ class ModelSetup:
     compiled: torch.nn.Module | None = None
     """The model's forward through `torch.compile` (`decode.compiled.compile_model`): the decoder then keeps the
     cache's shapes fixed and pads each forward to a width bucket, so a decode reuses a few graphs (CUDA graphs on a
-    GPU). None: eager forwards (the default)."""
+    GPU). None: eager forwards (the default). Compiled kernels round bf16 differently from eager ones and from one
+    width to another, so a compiled setup does not promise row-exact forwards (`row_exact` False)."""
 
     def replace(self, **changes) -> ModelSetup:
         return replace(self, **changes)
@@ -167,7 +168,7 @@ def prepare(model, tokenizer=None, *, directory: str | Path | None = None, linea
         model.generation_config.eos_token_id = eos[0] if len(eos) == 1 else list(eos)
     return attach_setup(model, ModelSetup(
         special_tokens=tokens, kernels=Kernels(linear_kernel, attention, reason), draft_table=table,
-        adapter_gate=_adapter_gate_of(model), row_exact=_is_row_exact(model, linear_kernel, attention),
+        adapter_gate=_adapter_gate_of(model), row_exact=_is_row_exact(model, linear_kernel, attention) and not compile,
         forward_costs=measure(model), compiled=compile_model(model) if compile else None))
 
 
