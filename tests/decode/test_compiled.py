@@ -63,7 +63,7 @@ def test_compiled_plan_and_infill_matches_the_cache_free_reference():
 
 
 def test_a_decode_reuses_its_graphs_and_a_second_request_compiles_nothing():
-    model = tiny_model("qwen3", dtype=torch.float32, seed=5)
+    model = tiny_model("qwen3", dtype=torch.float32, seed=5, hidden_size=48)  # shapes no other test compiles
     setup = compiled_setup(model)
     cfg = CFG.for_strategy("autoregressive").replace(eos_token_id=[])  # every forward one token wide
     counters["stats"].clear()

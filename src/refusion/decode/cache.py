@@ -90,7 +90,7 @@ class _BufferLayer(DynamicLayer):
         self.owner, self.index = owner, index
 
     def update(self, key_states, value_states, *args, **kwargs):
-        return self.owner._write(self.index, key_states, value_states)
+        return self.owner.write(self.index, key_states, value_states)
 
     def get_seq_length(self) -> int:
         return self.owner.used
@@ -246,7 +246,9 @@ class SlotCache:
             for buf in self.keys + self.values:
                 torch._dynamo.mark_static_address(buf)
 
-    def _write(self, layer: int, key: torch.Tensor, value: torch.Tensor):
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a forward's new KV entries of `layer` at the columns `begin_forward` reserved; returns the layer's
+        keys and values to attend over."""
         if self.static:  # the reserved columns, by index; the whole buffer is attended (the mask hides the rest)
             self.keys[layer].index_copy_(2, self._columns, key)
             self.values[layer].index_copy_(2, self._columns, value)

@@ -23,6 +23,7 @@ from refusion.decode.grammar import ResponseGrammar, check_strategy
 from refusion.decode.outputs import BatchStats, GenerationOutput, GenerationStats, RoundTrace
 from refusion.decode.programs import start_program
 from refusion.decode.sequence import Forward, Program, Sequence
+from refusion.model.compact import compact_forward
 from refusion.model.setup import ModelSetup, check_promise, setup_of
 
 
@@ -50,6 +51,8 @@ class Decoder:
         mask_dtype = attention_mask_dtype(model)
         text_config = model.config.get_text_config()
         self.compiled = self.setup.compiled  # the model's compiled forward (fixed shapes: `decode.compiled`), or None
+        # eager forwards of a supported family skip transformers' per-layer Python (the same bits: `model.compact`)
+        self.compact = compact_forward(model) if self.setup.compact and self.compiled is None else None
         static = None
         if self.compiled is not None:
             capacity, static = static_capacity(capacity), kv_layout(text_config, model.dtype)
@@ -153,12 +156,15 @@ class Decoder:
         mask = self.cache.begin_forward(groups, positions, lower_upto)
         kwargs = {"logits_to_keep": width if bucket else keep} if self._logits_to_keep else {}  # compiled: fixed
         start = time.perf_counter()
-        inputs = dict(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                      **{self._cache_keyword: self.cache.hf}, **kwargs)
-        out = run_compiled(self.compiled, **inputs) if bucket else self.model(**inputs)
-        logits = out.logits[:, -keep:]  # [B, keep, V]
-        if bucket:
-            logits = logits.clone()  # a CUDA graph's output buffer is overwritten by its next replay
+        if self.compact is not None:
+            logits = self.compact(input_ids, positions, mask, self.cache, keep)
+        else:
+            inputs = dict(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                          **{self._cache_keyword: self.cache.hf}, **kwargs)
+            out = run_compiled(self.compiled, **inputs) if bucket else self.model(**inputs)
+            logits = out.logits[:, -keep:]  # [B, keep, V]
+            if bucket:
+                logits = logits.clone()  # a CUDA graph's output buffer is overwritten by its next replay
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.stats.forward_seconds += time.perf_counter() - start

@@ -55,7 +55,7 @@ class MaskGatedLoRA(nn.Module):
         self.mask_rows = mask_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base_layer(x)
+        out = self.base_layer.forward(x)  # the wrapped layer is this module's own: no hooks to dispatch
         rows = self.mask_rows.rows
         if self.mask_rows.dense is None or (rows is not None and rows.numel() == 0):
             return out

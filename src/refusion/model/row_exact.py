@@ -52,28 +52,54 @@ class PackedLinear(nn.Linear):
     exact_rows: int = 1
     """Products of at most this many rows compute each row as it would be alone (`exact_rows`)."""
 
+    packed_weight: torch.Tensor | None = None
+    """The oneDNN-packed copy of the weight (`_packed`)."""
+
+    packed_key: tuple | None = None
+    """(data pointer, version) of the weight `packed_weight` was packed from."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # the weight packed before compiling, through the opaque operator
+            return self._product(x, self.packed_weight, _compiled_packed_product)
         if x.dtype != torch.bfloat16 or x.device.type != "cpu" or torch.is_grad_enabled() or x.numel() == 0:
             return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(-1, x.shape[-1])
-        weight = self._packed()
+        return self._product(x, self._packed(), _packed_product)
+
+    def _product(self, x: torch.Tensor, packed: torch.Tensor, product) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        bias = self._parameters["bias"]
         if flat.shape[0] <= self.exact_rows:
-            out = _packed_product(flat, weight, self.bias)
+            out = product(flat, packed, bias)
         else:
-            out = torch.cat([_packed_product(chunk, weight, self.bias) for chunk in flat.split(self.exact_rows)])
+            out = torch.cat([product(chunk, packed, bias) for chunk in flat.split(self.exact_rows)])
         return out.view(*x.shape[:-1], self.out_features)
 
     def _packed(self) -> torch.Tensor:
-        """The packed weight, rebuilt when the parameter was written or replaced since it was packed (compiled: the
-        one packed before compiling, `decode.compiled.compile_model`)."""
-        if torch.compiler.is_compiling():
-            return self.packed_weight
-        version = None if self.weight.is_inference() else self.weight._version  # inference tensors have none
-        key = (self.weight.data_ptr(), version, self.weight.dtype)
-        if getattr(self, "packed_key", None) != key:
-            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        """The packed weight, rebuilt when the parameter was written or replaced since it was packed."""
+        weight = self._parameters["weight"]  # (the dict itself: nn.Module's attribute lookup costs microseconds)
+        key = (weight.data_ptr(), None if weight.is_inference() else weight._version)  # inference tensors: no version
+        if key != self.packed_key:
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
             self.packed_key = key
         return self.packed_weight
+
+
+def _packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T (+ bias) by oneDNN's packed weight."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+@torch.library.custom_op("refusion::packed_product", mutates_args=())
+def _compiled_packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`_packed_product` as an operator torch.compile does not look into: a compiled forward calls this very kernel
+    (the compiler's own lowering of it expects weights it froze itself), so its rows stay exact. Eager forwards
+    skip it (a custom operator's dispatch costs microseconds per call)."""
+    return _packed_product(x, packed_weight, bias)
+
+
+@_compiled_packed_product.register_fake
+def _(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed_weight.shape[0])  # the packed weight is [out, in]
 
 
 @functools.cache
@@ -86,26 +112,6 @@ def packing_available() -> bool:
                     and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
     except (AttributeError, RuntimeError):
         return False
-
-
-def _packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W.T (+ bias) by oneDNN's packed weight; compiled, through the opaque `_compiled_packed_product`."""
-    if torch.compiler.is_compiling():
-        return _compiled_packed_product(x, packed_weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
-
-
-@torch.library.custom_op("refusion::packed_product", mutates_args=())
-def _compiled_packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The packed product as an operator torch.compile does not look into: the compiled forward calls this very
-    kernel (the compiler's own lowering of it expects weights it froze itself), so its rows stay exact. Eager
-    forwards skip it (a custom operator's dispatch costs microseconds per call)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
-
-
-@_compiled_packed_product.register_fake
-def _(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(x.shape[0], packed_weight.shape[0])  # the packed weight is [out, in]
 
 
 @functools.cache

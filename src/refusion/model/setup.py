@@ -94,6 +94,11 @@ class ModelSetup:
     only as many copied drafts as pay for the wider forward (`decode.costs`). None: not measured (a model refusion
     did not prepare, or one too slow to probe): every draft is verified."""
 
+    compact: bool = True
+    """Decode Llama, Mistral, Qwen2 and Qwen3 models through `model.compact.CompactForward` (transformers' operations
+    on the same weights without its per-layer Python: the same logits, bit for bit) where it applies; False:
+    always through transformers' forward."""
+
     compiled: torch.nn.Module | None = None
     """The model's forward through `torch.compile` (`decode.compiled.compile_model`): the decoder then keeps the
     cache's shapes fixed and pads each forward to a width bucket, so a decode reuses a few graphs (CUDA graphs on a

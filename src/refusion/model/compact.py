@@ -1,0 +1,114 @@
+"""A compact decoding forward for the model families refusion decodes most: Llama (SmolLM2), Mistral, Qwen2, Qwen3.
+
+transformers' forward of a decoder layer passes through decorators, keyword plumbing, an attention-interface lookup
+and a module call per sub-layer: on a CPU, where a small model's one-token forward takes tens of milliseconds,
+that Python is a tenth of the step. `CompactForward` runs the same operations in the same order on the model's own
+modules and weights (its linear layers, norms, rotary embedding, attention function, the mask-gated adapter), so
+its logits are transformers' bit for bit (tested logit for logit on every supported family, fp32 and bf16), and
+skips the rest: the norms and linear layers inside the layers are called through their `forward` (no hook dispatch;
+the embedding and the LM head stay module calls, so their hooks run), the attention
+function is looked up once, and KV entries go straight to the `SlotCache`.
+
+Any other model, a model in training, or one with hooks on its sub-layers (offloading, peft's wrappers) decodes
+through transformers' forward: `compact_forward(model)` returns None for it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+COMPACT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+"""`config.model_type`s whose decoder layers `CompactForward` runs (pre-norm attention and gated MLP, RoPE)."""
+
+
+class CompactForward:
+    """logits = forward(input_ids, position_ids, attention_mask, cache, logits_to_keep), the decoding forward of a
+    supported model over a `SlotCache` (see the module docstring)."""
+
+    def __init__(self, model):
+        self.model = model
+        inner = model.model
+        self.embed, self.layers, self.norm, self.rotary = inner.embed_tokens, inner.layers, inner.norm, inner.rotary_emb
+        self.lm_head = model.lm_head
+        attention = model.config._attn_implementation
+        if attention == "eager":
+            self.attention = _family_module(model).eager_attention_forward
+        else:
+            self.attention = ALL_ATTENTION_FUNCTIONS[attention]
+        self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")  # Qwen3
+        self.window = getattr(model.config, "sliding_window", None)
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask, cache,
+                 logits_to_keep: int) -> torch.Tensor:
+        hidden = self.embed(input_ids)  # a module call: the mask-gated adapter reads the mask rows in its pre-hook
+        position_embeddings = self.rotary(hidden, position_ids)
+        masks = attention_mask if isinstance(attention_mask, dict) else None
+        layer_types = getattr(self.model.config, "layer_types", None)
+        for i, layer in enumerate(self.layers):
+            mask = masks[layer_types[i]] if masks is not None else attention_mask
+            residual = hidden
+            hidden = residual + self._attention(layer.self_attn, layer.input_layernorm.forward(hidden),
+                                                position_embeddings, mask, cache, i)
+            residual = hidden
+            hidden = residual + self._mlp(layer.mlp, layer.post_attention_layernorm.forward(hidden))
+        hidden = self.norm.forward(hidden)
+        return self.lm_head(hidden[:, -logits_to_keep:, :])  # a module call: its hooks run (the adapter's)
+
+    def _attention(self, attn: nn.Module, hidden: torch.Tensor, position_embeddings, mask, cache, index: int):
+        input_shape = hidden.shape[:-1]
+        hidden_shape = (*input_shape, -1, attn.head_dim)
+        query = attn.q_proj.forward(hidden).view(hidden_shape)
+        key = attn.k_proj.forward(hidden).view(hidden_shape)
+        if self.qk_norm:
+            query, key = attn.q_norm.forward(query), attn.k_norm.forward(key)
+        query, key = query.transpose(1, 2), key.transpose(1, 2)
+        value = attn.v_proj.forward(hidden).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query, key = _rotate(query, key, cos, sin)
+        key, value = cache.write(index, key, value)
+        kwargs = {"sliding_window": attn.sliding_window} if getattr(attn, "sliding_window", None) else {}
+        out, _ = self.attention(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling, **kwargs)
+        return attn.o_proj.forward(out.reshape(*input_shape, -1).contiguous())
+
+    @staticmethod
+    def _mlp(mlp: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        return mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(hidden)) * mlp.up_proj.forward(hidden))
+
+
+def _rotate(query, key, cos, sin):
+    """RoPE as transformers' `apply_rotary_pos_emb` computes it (the same operations, so the same bits)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (query * cos) + (_rotate_half(query) * sin), (key * cos) + (_rotate_half(key) * sin)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _family_module(model):
+    import sys
+
+    return sys.modules[type(model).__module__]
+
+
+def compact_forward(model) -> CompactForward | None:
+    """A `CompactForward` for `model`, or None when it decodes through transformers' forward (see the module
+    docstring): another family, a model in training, or hooks on a sub-layer."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in COMPACT_FAMILIES or model.training:
+        return None
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
+        return None
+    if config._attn_implementation not in ("sdpa", "eager") and config._attn_implementation not in ALL_ATTENTION_FUNCTIONS:
+        return None
+    called = (inner.embed_tokens, model.lm_head)  # called as modules, so their hooks run
+    for module in model.modules():
+        if any(module is c for c in called):
+            continue
+        if module._forward_hooks or module._forward_pre_hooks or getattr(module, "_hf_hook", None) is not None:
+            return None
+    return CompactForward(model)

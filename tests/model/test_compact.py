@@ -1,0 +1,104 @@
+"""`model.compact.CompactForward`: transformers' logits bit for bit, without its per-layer Python."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import refusion
+from refusion.decode.cache import PADDING, SlotCache, attention_mask_dtype, attention_windows, cache_keyword
+from refusion.model.compact import CompactForward, compact_forward
+from refusion.model.row_exact import EXACT_ATTENTION, packing_available, use_packed_linears
+from refusion.model.setup import setup_of
+from refusion.model.tiny import tiny_model
+
+FAMILIES = ["llama", "qwen3", "qwen2", "mistral"]
+
+
+def new_cache(model) -> SlotCache:
+    config = model.config
+    return SlotCache(config.num_hidden_layers, "cpu", 64, attention_mask_dtype(model), attention_windows(config))
+
+
+def forwards(model, run) -> list[torch.Tensor]:
+    """Logits of a prompt forward, then a forward of three new tokens whose last group reads only itself (a mask
+    other than the causal one) and a padded row, each through `run(ids, positions, mask, cache, keep)`."""
+    cache = new_cache(model)
+    for row in range(2):
+        cache.add_sequence(row)
+    out = []
+    steps = [(torch.tensor([[5, 9, 11, 4, 7], [0, 0, 3, 8, 6]]), torch.tensor([[0, 1, 2, 3, 4], [0, 0, 0, 1, 2]]),
+              torch.tensor([[0] * 5, [PADDING, PADDING, 0, 0, 0]])),
+             (torch.tensor([[12, 13, 63], [14, 63, 63]]), torch.tensor([[5, 6, 7], [3, 4, 5]]),
+              torch.tensor([[0, 0, 1], [0, 1, 1]]))]
+    for ids, positions, groups in steps:
+        mask = cache.begin_forward(groups, positions)
+        with torch.inference_mode():
+            out.append(run(ids, positions, mask, cache, ids.shape[1]))
+        cache.end_forward()
+    return out
+
+
+def transformers_run(model):
+    keyword = cache_keyword(model)
+
+    def run(ids, positions, mask, cache, keep):
+        return model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                     logits_to_keep=keep, **{keyword: cache.hf}).logits
+    return run
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compact_logits_are_transformers_bit_for_bit(family, dtype):
+    model = tiny_model(family, dtype=dtype, seed=3)
+    compact = compact_forward(model)
+    assert isinstance(compact, CompactForward)
+    for ours, theirs in zip(forwards(model, compact), forwards(model, transformers_run(model)), strict=True):
+        assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("attention", ["eager", EXACT_ATTENTION])
+def test_compact_runs_the_models_attention_function_and_kernels(attention):
+    model = tiny_model("llama", dtype=torch.bfloat16, seed=4, attn_implementation=attention)
+    if packing_available():
+        use_packed_linears(model)
+    for ours, theirs in zip(forwards(model, compact_forward(model)), forwards(model, transformers_run(model))):
+        assert torch.equal(ours, theirs)
+
+
+def test_sliding_window_layers_get_their_own_masks():
+    model = tiny_model("qwen2", seed=5, sliding_window=3, use_sliding_window=True, max_window_layers=1)
+    for ours, theirs in zip(forwards(model, compact_forward(model)), forwards(model, transformers_run(model))):
+        assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("strategy", ["refusion", "speculative", "autoregressive"])
+def test_decoding_with_and_without_it_gives_the_same_tokens_and_forwards(strategy):
+    model = tiny_model("llama", dtype=torch.bfloat16, seed=6)
+    cfg = refusion.DecodeConfig(strategy="refusion", max_new_tokens=24, slot_size=4, block_size=8,
+                                slot_threshold=0.5, token_threshold=0.3).for_strategy(strategy)
+    prompts = [[5, 9, 11], [7, 3, 8, 12, 40, 41], [22]]
+    setup = setup_of(model)
+    compact = refusion.generate(model, prompts, cfg, setup=setup)
+    plain = refusion.generate(model, prompts, cfg, setup=setup.replace(compact=False))
+    assert compact.sequences == plain.sequences
+    assert compact.stats.batch.forwards == plain.stats.batch.forwards
+
+
+def test_models_it_cannot_run_decode_through_transformers():
+    hooked = tiny_model("llama")
+    hooked.model.layers[0].mlp.register_forward_hook(lambda module, args, out: out)  # e.g. offloading, tracing
+    assert compact_forward(hooked) is None
+    training = tiny_model("qwen3").train()
+    assert compact_forward(training) is None
+    other = tiny_model("qwen3")
+    other.config.model_type = "gemma"  # a family it does not know
+    assert compact_forward(other) is None
+    hooks_it_runs = tiny_model("llama")  # the embedding's and the LM head's hooks run: they are module calls
+    calls = []
+    hooks_it_runs.lm_head.register_forward_hook(lambda module, args, out: calls.append(1))
+    assert compact_forward(hooks_it_runs) is not None
+    refusion.generate(hooks_it_runs, [[5, 6]], refusion.DecodeConfig(strategy="autoregressive", max_new_tokens=3,
+                                                                       eos_token_id=[]))
+    assert len(calls) == 3
