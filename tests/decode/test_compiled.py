@@ -14,7 +14,13 @@ from torch._dynamo.utils import counters
 
 import refusion
 from refusion.cli import main
-from refusion.decode.compiled import CAPACITY_STEP, WIDTH_BUCKETS, bucket_width, compile_model, static_capacity
+from refusion.decode.compiled import (
+    CAPACITY_STEP,
+    WIDTH_BUCKETS,
+    bucket_width,
+    compile_model,
+    static_capacity,
+)
 from refusion.decode.reference import reference_generate
 from refusion.model.setup import setup_of
 from refusion.model.tiny import TINY_MASK_ID, tiny_model
