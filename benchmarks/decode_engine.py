@@ -2,8 +2,9 @@
 
 Everything is measured in one run on the same model and prompts (these machines are noisy): a randomly
 initialised ~100M-parameter Llama (SmolLM2-135M's shape), ReFusion and AR decoding, batch 1 vs batch B.
-Plan and infill runs three ways: the default (fused planning where the measured forward costs say it pays,
-`decode.costs`), always fused (a model refusion did not prepare), and unfused. Ends with one JSON line.
+Plan and infill runs four ways: the default (fused planning where the measured forward costs say it pays,
+`decode.costs`), always fused (a model refusion did not prepare), unfused, and unfused through transformers'
+forward instead of `model.compact` (the engine as it was before both). Ends with one JSON line.
 
     python benchmarks/decode_engine.py [--batch 8] [--max-new-tokens 64] [--dtype bfloat16] [--repeats 2]
 """
@@ -38,19 +39,21 @@ def build_model(dtype: torch.dtype, seed: int = 0):
 
 def timed(model, prompts, cfg, batch: int, repeats: int, setup) -> dict:
     """Decode `prompts` in batches of `batch`; best-of-`repeats` wall time and totals."""
-    runs = []
+    runs, sequences = [], []
     for _ in range(repeats):
         tokens = forwards = 0
         seconds = forward_seconds = 0.0
+        sequences = []
         for i in range(0, len(prompts), batch):
             out = refusion.generate(model, prompts[i:i + batch], cfg, setup=setup)
+            sequences += out.sequences
             tokens += out.stats.batch.tokens
             forwards += out.stats.batch.forwards
             seconds += out.stats.batch.seconds
             forward_seconds += out.stats.batch.forward_seconds
         runs.append(dict(tokens=tokens, forwards=forwards, seconds=seconds, forward_seconds=forward_seconds))
     best = min(runs, key=lambda r: r["seconds"])
-    return dict(best, tokens_per_second=best["tokens"] / best["seconds"],
+    return dict(best, sequences=sequences, tokens_per_second=best["tokens"] / best["seconds"],
                 outside_forward_fraction=1 - best["forward_seconds"] / best["seconds"],
                 median_seconds=statistics.median(r["seconds"] for r in runs))
 
@@ -92,16 +95,25 @@ def main() -> None:
     # "always fused" mode decodes without it, as a model refusion did not prepare does
     costs = measure(model)
     with_costs, without_costs = plain_setup(model).replace(forward_costs=costs), plain_setup(model)
+    transformers_forward = with_costs.replace(compact=False)  # the engine before model/compact.py
     print("forward costs:", costs.describe() if costs else None)
     results = {}
     for name, cfg in {"refusion": base, "refusion_always_fused": base, "refusion_unfused": base.replace(fused_plan=False),
+                      "refusion_unfused_transformers": base.replace(fused_plan=False),
                       "refusion_recompute": base.replace(kv_cache="recompute"),
                       "speculative": base.for_strategy("speculative").replace(predraft=True),
                       "autoregressive": base.for_strategy("autoregressive")}.items():
-        setup = without_costs if name == "refusion_always_fused" else with_costs
+        setup = {"refusion_always_fused": without_costs,
+                 "refusion_unfused_transformers": transformers_forward}.get(name, with_costs)
         results[name] = {f"batch_{b}": timed(model, prompts, cfg, b, args.repeats, setup) for b in (1, args.batch)}
         results[name]["batch_speedup"] = (results[name][f"batch_{args.batch}"]["tokens_per_second"]
                                           / results[name]["batch_1"]["tokens_per_second"])
+    baseline = {b: results["refusion_unfused_transformers"][b]["sequences"] for b in ("batch_1", f"batch_{args.batch}")}
+    for name, r in results.items():  # plan and infill's variants decode the same tokens (the promise), checked
+        for b, sequences in baseline.items():
+            mine = r[b].pop("sequences")
+            if name.startswith("refusion"):
+                r[b]["identical_to_unfused_transformers"] = mine == sequences
     results["transformers_generate"] = {"batch_1": hf_generate(model, prompts, args.max_new_tokens, args.repeats)}
     b1 = "batch_1"
     summary = {
@@ -116,6 +128,9 @@ def main() -> None:
         "default_over_unfused_tokens_per_second": {
             b: results["refusion"][b]["tokens_per_second"] / results["refusion_unfused"][b]["tokens_per_second"]
             for b in (b1, f"batch_{args.batch}")},
+        "default_over_unfused_transformers_forward": {
+            b: results["refusion"][b]["tokens_per_second"]
+            / results["refusion_unfused_transformers"][b]["tokens_per_second"] for b in (b1, f"batch_{args.batch}")},
         "reuse_over_recompute_tokens_per_second_batch_1": results["refusion"][b1]["tokens_per_second"]
         / results["refusion_recompute"][b1]["tokens_per_second"],
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
