@@ -243,7 +243,7 @@ def test_mask_gated_adapter_keeps_the_base_ar_path_and_drafts_with_the_adapter(t
         # masks in two runs, between clean tokens: still the training-time function
         split = torch.tensor([[1, mask, 9, mask, 40]])
         torch.testing.assert_close(trained(split).logits[..., keep], gated(split).logits[..., keep])
-        assert next(m for m in gated.modules() if isinstance(m, MaskGatedLoRA)).mask_rows.narrow
+        assert next(m for m in gated.modules() if isinstance(m, MaskGatedLoRA)).mask_rows.gated
         # a wide forward (past the narrow range, the update goes through index_add) computes the same
         wide = masked.repeat(MAX_ROWS // masked.shape[1] + 1, 1)
         torch.testing.assert_close(gated(wide).logits[-1:, :, keep], gated_logits[..., keep])
