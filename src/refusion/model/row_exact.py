@@ -174,7 +174,8 @@ def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     if attention_mask is not None:
         scores.add_(attention_mask[:, :, :, :length])
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    weights = F.dropout(weights, p=dropout, training=module.training)
+    if dropout and module.training:
+        weights = F.dropout(weights, p=dropout)
     out = torch.matmul(weights.view(batch, kv_heads, -1, length).double(), value.double())
     out = out.view(batch, heads, rows, dim).to(query.dtype)
     return out.transpose(1, 2).contiguous(), weights
