@@ -5,7 +5,7 @@ that we can check they move with their metadata."""
 import pytest
 import torch
 
-from refusion.decode.cache import CONTEXT, EMPTY, PADDING, SlotCache
+from refusion.decode.cache import CHECK_ENV, CONTEXT, EMPTY, PADDING, SlotCache, checks_by_default
 
 P = PADDING
 
@@ -316,3 +316,16 @@ def test_a_sliding_window_hides_keys_by_position_not_column():
         [0, 0, 1, 1, 1, 1],
     ]
     assert forward(cache, [[0]], [[4]]) is not None  # windowed models always get a mask
+
+
+def test_the_invariant_is_checked_on_the_cpu_and_on_a_gpu_only_when_asked(monkeypatch):
+    monkeypatch.delenv(CHECK_ENV, raising=False)
+    assert SlotCache(1, "cpu").check_invariants and not checks_by_default("cuda")
+    monkeypatch.setenv(CHECK_ENV, "1")
+    assert checks_by_default("cuda")
+    unchecked = SlotCache(1, "cpu", check_invariants=False)
+    unchecked.add_sequence(0)
+    unchecked.begin_forward(torch.tensor([[0, 0]]), torch.tensor([[0, 1]]))
+    unchecked.end_forward()
+    unchecked.commit(0, torch.tensor([0, 1]))  # committing by masked writes, the count kept on the host
+    assert unchecked.committed[0] == 2 and (unchecked.owner[0, :2] == CONTEXT).all()

@@ -9,12 +9,19 @@ import pytest
 import torch
 
 import refusion
+from refusion.decode.cache import CHECK_ENV
 from refusion.decode.compiled import compile_model
 from refusion.decode.reference import reference_generate
 from refusion.model.setup import setup_of
 from refusion.model.tiny import TINY_MASK_ID, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def check_the_cache(monkeypatch):
+    """The cache's invariant is checked on every commit here too (on a GPU it is off by default)."""
+    monkeypatch.setenv(CHECK_ENV, "1")
 
 CFG = refusion.DecodeConfig(max_new_tokens=24, slot_size=4, block_size=8, slot_threshold=0.5, token_threshold=0.3,
                             eos_token_id=[2])

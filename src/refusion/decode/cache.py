@@ -28,15 +28,29 @@ not a Python slice), every layer attends over the whole buffer, and the mask alw
 EMPTY, so invisible). The shapes of a forward then depend on its batch size, its width and the capacity alone, and
 nothing in it reads a Python number that changes from step to step.
 
-Invariant, checked on every commit: a sequence's CONTEXT entries are exactly its committed tokens.
+Invariant, checked on every commit: a sequence's CONTEXT entries are exactly its committed tokens. Checking reads
+two counts back to the host; on a GPU, where each read waits for the device, it is off unless `REFUSION_CHECK_CACHE=1`
+(the tests' CUDA run sets it). Entries change state by masked writes, never by boolean indexing (which would read
+the mask back to the host too).
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
+
+CHECK_ENV = "REFUSION_CHECK_CACHE"
+"""Set to 1 to check the cache's invariant on every commit on any device (always on the CPU)."""
+
+
+
+def checks_by_default(device) -> bool:
+    """Whether a cache on `device` checks its invariant on every commit: on the CPU, or where REFUSION_CHECK_CACHE=1."""
+    return torch.device(device).type == "cpu" or os.environ.get(CHECK_ENV) == "1"
+
 
 EMPTY = -2
 CONTEXT = -1
@@ -103,10 +117,13 @@ class SlotCache:
     """Batched bag-of-entries KV cache with per-group visibility (see the module docstring)."""
 
     def __init__(self, num_layers: int, device: torch.device, capacity: int = 256, mask_dtype: torch.dtype | None = None,
-                 windows: dict[str, int | None] | None = None, static: tuple[int, int, torch.dtype] | None = None):
-        """static: (kv heads, head dim, dtype) for fixed shapes (see the module docstring); None: slices that grow."""
+                 windows: dict[str, int | None] | None = None, static: tuple[int, int, torch.dtype] | None = None,
+                 check_invariants: bool | None = None):
+        """static: (kv heads, head dim, dtype) for fixed shapes (see the module docstring); None: slices that grow.
+        check_invariants: check the invariant on every commit; None: on the CPU, or where REFUSION_CHECK_CACHE=1."""
         self.num_layers = num_layers
         self.static = static
+        self.check_invariants = checks_by_default(device) if check_invariants is None else check_invariants
         # {layer type: sliding window or None}: one entry -> one mask for every layer, several -> a dict of masks
         self.windows = windows or {"full_attention": None}
         self.device = torch.device(device)
@@ -323,20 +340,22 @@ class SlotCache:
         chosen = pending & torch.isin(self.pos[row, :self.used], positions)
         if group is not None:
             chosen &= self.owner[row, :self.used] == group
-        found = int(chosen.sum())
-        if found != positions.numel():
-            raise RuntimeError(f"KV cache invariant broken: committing {positions.numel()} tokens, found {found}")
+        if self.check_invariants:
+            found = int(chosen.sum())
+            if found != positions.numel():
+                raise RuntimeError(f"KV cache invariant broken: committing {positions.numel()} tokens, found {found}")
         owner = self.owner[row, :self.used]
-        owner[pending] = EMPTY
-        owner[chosen] = CONTEXT
-        self.committed[seq_id] += found
-        self.check(seq_id)
+        owner.masked_fill_(pending, EMPTY)
+        owner.masked_fill_(chosen, CONTEXT)
+        self.committed[seq_id] += positions.numel()
+        if self.check_invariants:
+            self.check(seq_id)
 
     def retain(self, seq_id: int, positions: torch.Tensor | None = None) -> None:
         """Keep the pending entries at `positions` (None: none) pending; drop every other pending entry."""
         row, pending = self._pending(seq_id)
         drop = pending if positions is None else pending & ~torch.isin(self.pos[row, :self.used], positions)
-        self.owner[row, :self.used][drop] = EMPTY
+        self.owner[row, :self.used].masked_fill_(drop, EMPTY)
 
     def discard(self, seq_id: int) -> None:
         """Drop every pending entry of a sequence: its cache is exactly its context again."""
