@@ -46,7 +46,6 @@ CHECK_ENV = "REFUSION_CHECK_CACHE"
 """Set to 1 to check the cache's invariant on every commit on any device (always on the CPU)."""
 
 
-
 def checks_by_default(device) -> bool:
     """Whether a cache on `device` checks its invariant on every commit: on the CPU, or where REFUSION_CHECK_CACHE=1."""
     return torch.device(device).type == "cpu" or os.environ.get(CHECK_ENV) == "1"
@@ -157,14 +156,16 @@ class SlotCache:
 
     def _kv_rows(self) -> None:
         """Give the KV buffers a (zero) row for every sequence added since they were last touched."""
+        grown = False
         for i, k in enumerate(self.keys):
             missing = self.batch_size - k.shape[0] if k is not None else 0
             if missing > 0:
                 self.keys[i] = torch.cat([k, k.new_zeros(missing, *k.shape[1:])])
                 v = self.values[i]
                 self.values[i] = torch.cat([v, v.new_zeros(missing, *v.shape[1:])])
-                if i == self.num_layers - 1:  # every buffer is a new tensor now
-                    self._mark_static()
+                grown = True
+        if grown:  # the buffers are new tensors
+            self._mark_static()
 
     def remove_sequences(self, seq_ids: list[int]) -> None:
         """Free the rows of finished sequences (they cost no more compute)."""

@@ -15,6 +15,8 @@ through transformers' forward: `compact_forward(model)` returns None for it.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -28,26 +30,24 @@ class CompactForward:
     supported model over a `SlotCache` (see the module docstring)."""
 
     def __init__(self, model):
-        self.model = model
         inner = model.model
         self.embed, self.layers, self.norm, self.rotary = inner.embed_tokens, inner.layers, inner.norm, inner.rotary_emb
         self.lm_head = model.lm_head
         attention = model.config._attn_implementation
         if attention == "eager":
-            self.attention = _family_module(model).eager_attention_forward
+            self.attention = sys.modules[type(model).__module__].eager_attention_forward  # the family's own
         else:
             self.attention = ALL_ATTENTION_FUNCTIONS[attention]
         self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")  # Qwen3
-        self.window = getattr(model.config, "sliding_window", None)
+        self.layer_types = getattr(model.config, "layer_types", None)  # which mask each layer takes, when several
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask, cache,
                  logits_to_keep: int) -> torch.Tensor:
         hidden = self.embed(input_ids)  # a module call: the mask-gated adapter reads the mask rows in its pre-hook
         position_embeddings = self.rotary(hidden, position_ids)
         masks = attention_mask if isinstance(attention_mask, dict) else None
-        layer_types = getattr(self.model.config, "layer_types", None)
         for i, layer in enumerate(self.layers):
-            mask = masks[layer_types[i]] if masks is not None else attention_mask
+            mask = masks[self.layer_types[i]] if masks is not None else attention_mask
             residual = hidden
             hidden = residual + self._attention(layer.self_attn, layer.input_layernorm.forward(hidden),
                                                 position_embeddings, mask, cache, i)
@@ -86,12 +86,6 @@ def _rotate(query, key, cos, sin):
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _family_module(model):
-    import sys
-
-    return sys.modules[type(model).__module__]
 
 
 def compact_forward(model) -> CompactForward | None:

@@ -38,7 +38,6 @@ class MaskRows:
         return self.dense is not None and (self.rows is None or self.dense.numel() <= MAX_ROWS)
 
 
-
 class MaskGatedLoRA(nn.Module):
     """A linear layer plus a LoRA update applied only at the mask rows (inference; the base layer is untouched).
 

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from refusion.model.row_exact import weight_key
+
 GROUP = 32
 """Weights per block: GGUF's Q4_0 / Q4_1 blocks and the group size the int4 kernel is called with."""
 SHIPPED_TYPES = ("Q4_0", "Q4_1")
@@ -71,7 +73,7 @@ class Int4Linear(nn.Linear):
         if x.dtype != torch.bfloat16 or x.device.type != "cpu" or torch.is_grad_enabled() or x.numel() == 0:
             return F.linear(x, self.weight, self.bias)
         # the module's dicts read directly: nn.Module's attribute lookup costs microseconds, 210 times a forward
-        if _weight_key(self._parameters["weight"]) != self.int4_key:
+        if weight_key(self._parameters["weight"]) != self.int4_key:
             raise RuntimeError("a linear layer's weight changed after it was switched to 4-bit blocks "
                                "(linear='int4'): load the model again to decode with the new weights")
         flat = x.reshape(-1, self.in_features).contiguous()  # the kernel reads rows in place
@@ -81,10 +83,6 @@ class Int4Linear(nn.Linear):
         if bias is not None:
             out = out + bias
         return out.view(*x.shape[:-1], self.out_features)
-
-
-def _weight_key(weight: torch.Tensor) -> tuple:
-    return weight.data_ptr(), None if weight.is_inference() else weight._version
 
 
 def int4_available() -> bool:
@@ -122,7 +120,7 @@ def switch_to_int4(layer: nn.Linear, packed: torch.Tensor, scales: torch.Tensor)
     layer.__class__ = Int4Linear
     layer.register_buffer("int4_weight", packed, persistent=False)
     layer.register_buffer("int4_scales", scales, persistent=False)
-    layer.int4_key = _weight_key(layer.weight)
+    layer.int4_key = weight_key(layer.weight)
 
 
 def file_layer_name(module_name: str) -> str:

@@ -77,11 +77,17 @@ class PackedLinear(nn.Linear):
     def _packed(self) -> torch.Tensor:
         """The packed weight, rebuilt when the parameter was written or replaced since it was packed."""
         weight = self._parameters["weight"]  # (the dict itself: nn.Module's attribute lookup costs microseconds)
-        key = (weight.data_ptr(), None if weight.is_inference() else weight._version)  # inference tensors: no version
+        key = weight_key(weight)
         if key != self.packed_key:
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
             self.packed_key = key
         return self.packed_weight
+
+
+def weight_key(weight: torch.Tensor) -> tuple:
+    """(data pointer, version) of a weight: it changes when the weight is written or replaced (inference tensors
+    have no version), so a kernel's copy of the weight knows when to be rebuilt or refused."""
+    return weight.data_ptr(), None if weight.is_inference() else weight._version
 
 
 def _packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
