@@ -10,6 +10,12 @@
 #                                                              the set is then packed into OUTPUT_DIR, not recipes/)
 #   FROM=M LIMIT=N PACKED=FILE bash ...                        pack the answers to prompts M+1..N into FILE (how the
 #                                                              second and third sets were packed)
+#   SKIP=M PACKED=FILE bash ...                                answers to prompts M+1.. only (M+1..LIMIT with LIMIT):
+#                                                              OUTPUT_DIR/answers.jsonl then starts at prompt M+1
+#                                                              and FROM counts from there (how refusion-smol v3's
+#                                                              set was made: recipes/refusion-smol-v3.sh)
+#   SECONDS_LIMIT=S bash ...                                   stop generating after S seconds and pack what is done
+#                                                              (a run on a lent GPU; the next run continues)
 #   INPUT=open-ended bash recipes/refusion-smol-v2-distill.sh  the same for another prompt set: the train part of the
 #                                                              open-ended requests (refusion/open_ended.py), into
 #                                                              runs/open-ended-distill and
@@ -26,35 +32,18 @@ NAME=$([ "$INPUT" = distill-mix ] && echo refusion-smol-v2 || echo "$INPUT")
 OUT=${1:-runs/$NAME-distill}
 LIMIT=${LIMIT:-}
 FROM=${FROM:-0}
+SKIP=${SKIP:-0}
 if [ -n "${PACKED:-}" ]; then :
-elif [ -n "$LIMIT" ]; then PACKED="$OUT/$NAME-distill.jsonl.gz"
+elif [ -n "$LIMIT" ] || [ "$SKIP" != 0 ]; then PACKED="$OUT/$NAME-distill.jsonl.gz"
 else PACKED=recipes/data/$NAME-distill.jsonl.gz; fi
 mkdir -p "$OUT" "$(dirname "$PACKED")"
 
 # 1. the base model's greedy answers, one JSON line per prompt, in the mix's order (resumable)
-refusion generate --model smollm2 --strategy autoregressive --input "$INPUT" ${LIMIT:+--limit "$LIMIT"} \
-  --max-new-tokens 384 --batch-size ${BATCH:-32} --dtype ${DTYPE:-float32} --output "$OUT/answers.jsonl"
+${SECONDS_LIMIT:+timeout --signal=INT --kill-after=30 "$SECONDS_LIMIT"} \
+  refusion generate --model smollm2 --strategy autoregressive --input "$INPUT" ${LIMIT:+--limit "$LIMIT"} \
+  --skip "$SKIP" --max-new-tokens 384 --batch-size ${BATCH:-32} --dtype ${DTYPE:-float32} \
+  --output "$OUT/answers.jsonl" || [ -n "${SECONDS_LIMIT:-}" ]  # out of time: pack what is written
 
 # 2. keep the answers that ended with EOS (those cut at the length limit teach no ending), as training records
 #    {"query", "response", "origin"}, gzip-compressed with a fixed timestamp (same answers, same bytes)
-python - "$OUT/answers.jsonl" "$PACKED" "$FROM" ${LIMIT:+"$LIMIT"} <<'PY'
-import collections, gzip, json, os, sys
-source, packed, start = sys.argv[1], sys.argv[2], int(sys.argv[3])
-limit = int(sys.argv[4]) if len(sys.argv) > 4 else None
-records = [json.loads(line) for line in open(source, encoding="utf-8") if line.strip()][start:limit]
-kept = [r for r in records if r["stats"]["finish_reason"] == "eos"]
-lines = "".join(json.dumps({"query": r["query"], "response": r["response"], "origin": r["origin"]}) + "\n"
-                for r in kept)
-with open(packed + ".tmp", "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f:
-    f.write(lines.encode("utf-8"))
-os.replace(packed + ".tmp", packed)
-by_source = lambda rs: collections.Counter(r["origin"].rsplit(":", 1)[0] for r in rs)
-total, ended = by_source(records), by_source(kept)
-for name in total:
-    print(f"  {name}: kept {ended[name]} of {total[name]}")
-size = os.path.getsize(packed) / 2**20
-print(f"distilled: kept {len(kept)} of {len(records)} answers (the others hit the length limit); "
-      f"{packed}: {size:.2f} MB")
-if size > 10:
-    sys.exit(f"{packed} is over the 10 MB allowed under recipes/")
-PY
+python recipes/pack_answers.py "$OUT/answers.jsonl" "$PACKED" "$FROM" ${LIMIT:+"$((LIMIT - SKIP))"}

@@ -167,3 +167,24 @@ def test_generate_from_file_batches_continuously_and_writes_in_input_order(model
         assert [r["query"] for r in records] == [json.loads(line)["prompt"] for line in source.read_text().splitlines()]
         responses[batch_size] = [r["response"] for r in records]
     assert responses[3] == responses[1]
+
+
+def test_skip_leaves_out_the_first_prompts_and_an_output_file_is_an_input(model_dir, tmp_path, capsys):
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps({"prompt": f"count to {i}"}) + "\n" for i in range(5)))
+    full, tail = tmp_path / "full.jsonl", tmp_path / "tail.jsonl"
+    common = ["--model", model_dir, "--max-new-tokens", "6", "--strategy", "autoregressive", "--dtype", "float32"]
+    assert main(["generate", "--input", str(source), "--output", str(full), *common]) == 0
+    assert main(["generate", "--input", str(source), "--skip", "2", "--limit", "4", "--output", str(tail),
+                 *common]) == 0
+    records = [json.loads(line) for line in full.read_text().splitlines()]
+    answered = [(r["query"], r["response"], r["origin"]) for r in records]
+    assert [(r["query"], r["response"], r["origin"]) for r in map(json.loads, tail.read_text().splitlines())] \
+        == answered[2:4]
+    again = tmp_path / "again.jsonl"  # a generate output as --input keeps each record's origin
+    assert main(["generate", "--input", str(full), "--output", str(again), *common]) == 0
+    assert [json.loads(line)["origin"] for line in again.read_text().splitlines()] == [r["origin"] for r in records]
+    capsys.readouterr()
+    assert main(["generate", "--input", str(source), "--skip", "4", "--limit", "4", "--output", str(tmp_path / "x"),
+                 *common]) == 2
+    assert "--skip=4 is invalid" in capsys.readouterr().err

@@ -36,9 +36,9 @@ def test_exact_loss_on_hand_built_example():
     assert half.loss.item() == pytest.approx(expected_ar + 0.5 * expected_mdm, rel=1e-6)
 
 
-def test_weights_come_from_p_mask_and_response_length():
+def test_weights_come_from_each_samples_mask_weight():
     batch = {"labels": torch.tensor([[-100, 5, 6], [7, -100, -100]]), "is_masked": torch.tensor([[0, 0, 1], [1, 0, 0]]).bool(),
-             "p_mask": torch.tensor([0.5, 0.1]), "response_length": torch.tensor([4.0, 10.0])}
+             "mask_weight": 1 / torch.tensor([0.5 * 4.0, 0.1 * 10.0])}
     selection, targets, is_masked, weight = select_labelled(batch)
     assert targets.tolist() == [5, 6, 7] and is_masked.tolist() == [False, True, True]
     assert weight.tolist() == pytest.approx([0.5, 0.5, 1.0])

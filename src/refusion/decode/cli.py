@@ -29,6 +29,9 @@ def add_parser(subparsers) -> None:
                         "format; distill-mix interleaves all the others; open-ended (open-ended-test: its held-out "
                         "part) composed requests with little to copy (refusion/open_ended.py)")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="with --input: only the first N prompts")
+    p.add_argument("--skip", type=int, default=0, metavar="M",
+                   help="with --input: leave out the first M prompts (with --limit N: prompts M+1..N); --output "
+                        "then holds the answers from prompt M+1 on")
     p.add_argument("--output", default=None, metavar="JSONL",
                    help='with --input: write {"query", "response", "origin", "stats"} lines here (the training data '
                         "format; origin is the prompt's file:line); an existing file is continued, never overwritten")
@@ -122,8 +125,8 @@ def read_stdin() -> str:
 
 
 def read_prompt_file(path: str) -> list[tuple[str, str]]:
-    """(origin "file:line", prompt) of each record of a JSONL file of {"prompt": ...} or {"query": ...} records
-    (errors name the line), or of a built-in prompt set when `path` is its name and no such file exists."""
+    """(origin, prompt) of each record of a JSONL file of {"prompt": ...} or {"query": ...} records (origin: the
+    record's "origin" string, else "file:line"; errors name the line), or of a built-in prompt set when `path` is its name and no such file exists."""
     from refusion.data import builtin_train_pairs
     from refusion.open_ended import SPLITS, open_ended_prompts
 
@@ -143,7 +146,8 @@ def read_prompt_file(path: str) -> list[tuple[str, str]]:
             prompt = record.get("prompt", record.get("query")) if isinstance(record, dict) else None
             if not isinstance(prompt, str) or not prompt.strip():
                 raise ValueError(f'{path}:{number}: expected a non-empty "prompt" (or "query") string')
-            prompts.append((f"{path}:{number}", prompt))
+            origin = record.get("origin")  # a generate --output line keeps its prompt's origin
+            prompts.append((origin if isinstance(origin, str) else f"{path}:{number}", prompt))
     return prompts
 
 
@@ -187,7 +191,9 @@ def run_file(args: argparse.Namespace) -> int:
         raise ValueError(f"--batch-size={args.batch_size} is invalid: must be >= 1")
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit={args.limit} is invalid: must be >= 1")
-    prompts = read_prompt_file(args.input)[:args.limit]
+    if args.skip < 0 or (args.limit is not None and args.skip >= args.limit):
+        raise ValueError(f"--skip={args.skip} is invalid: must be >= 0 and below --limit")
+    prompts = read_prompt_file(args.input)[args.skip:args.limit]
     done = count_done(args.output, prompts)
     cfg = decode_config_from_args(args)
     if done >= len(prompts):

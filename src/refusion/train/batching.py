@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import Dataset
 
 from refusion.train.data import TokenizedData
-from refusion.train.noising import build_ar_sample, build_hybrid_sample, collate
+from refusion.train.noising import build_ar_sample, build_chain_sample, build_hybrid_sample, collate
 
 BUCKET_SPAN = 64  # global batches per length-sorted bucket window
 
@@ -80,6 +80,12 @@ class BatchRecipe:
     """Response EOS (the label of EOS slots)."""
     eos_slots: int = 0
     """Always-masked EOS slots appended to each response."""
+    chain_fraction: float = 0.0
+    """Share of samples laid out as draft chains (noising.build_chain_sample) instead of slots."""
+    chain_masks: int = 9
+    """Masks per draft chain."""
+    chain_stride: int = 4
+    """Tokens between consecutive chain starts."""
 
 
 class MicroBatchStream(Dataset):
@@ -113,6 +119,10 @@ class MicroBatchStream(Dataset):
             prompt, response = self.data.prompts[i], self.data.responses[i]
             if r.objective == "ar":
                 samples.append(build_ar_sample(prompt, response))
+            elif r.chain_fraction and float(torch.rand((), generator=generator)) < r.chain_fraction:
+                samples.append(build_chain_sample(prompt, response, chain_masks=r.chain_masks,
+                                                  stride=r.chain_stride, mask_token_id=r.mask_token_id,
+                                                  generator=generator))
             else:
                 samples.append(build_hybrid_sample(prompt, response, slot_sizes=r.slot_sizes,
                                                    mask_token_id=r.mask_token_id, generator=generator,

@@ -98,6 +98,19 @@ class TrainConfig:
     """Extra always-masked slots appended past EOS and labelled EOS (teaches that masks beyond the end
     are EOS). 0, the spec's behaviour, appends none."""
 
+    chain_fraction: float = 0.0
+    """Share of the hybrid objective's samples laid out for the exact mode's drafts instead of as slots: the answer
+    clean and in order, then chains of masks, each drafting the tokens after one prefix of the answer and reading
+    only that prefix (docs/TRAINING.md, "Draft chains"). 0, the paper's objective, lays out none."""
+
+    chain_masks: int = 9
+    """Masks per draft chain: the first stands for the token AR decoding gives next, the others draft the ones
+    after it (the decoder's `draft_length` + 1)."""
+
+    chain_stride: int = 4
+    """Tokens between the starts of consecutive chains of one sample (from a random offset): a chain sample is
+    about prompt + response x (1 + chain_masks / chain_stride) tokens long."""
+
     logits_on_labels: bool = True
     """Apply the LM head only at positions that have a label (same loss, less compute)."""
 
@@ -209,6 +222,13 @@ class TrainConfig:
                  "must be >= 0")
         _require(_is_int(self.eos_slots) and self.eos_slots >= 0, "eos_slots", self.eos_slots,
                  "must be an integer >= 0")
+        _require(_is_number(self.chain_fraction) and 0 <= self.chain_fraction <= 1, "chain_fraction",
+                 self.chain_fraction, "must be in [0, 1]")
+        _require(self.chain_fraction == 0 or self.objective == "hybrid", "chain_fraction", self.chain_fraction,
+                 "needs objective: hybrid")
+        for name in ("chain_masks", "chain_stride"):
+            value = getattr(self, name)
+            _require(_is_int(value) and value >= 1, name, value, "must be an integer >= 1")
 
     def _validate_model_options(self) -> None:
         _require(self.mixed_precision in MIXED_PRECISION, "mixed_precision", self.mixed_precision,

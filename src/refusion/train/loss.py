@@ -1,8 +1,8 @@
 """The hybrid loss (docs/TRAINING.md, step 5 of the objective) and the module that computes it from a batch.
 
     L_AR  = mean cross-entropy over every clean-slot target of the micro-batch
-    L_MDM = sum over masked tokens of CE / (p_mask of its sample * response length of its sample),
-            divided by the number of samples in the micro-batch
+    L_MDM = sum over masked tokens of CE * the mask weight of its sample (1 / (p_mask * response length) for
+            slots, 1 / its number of masks for a draft-chain sample), divided by the number of samples
     loss  = L_AR + lambda * L_MDM
 
 `HybridObjective` wraps the causal LM so that the distributed wrappers (DDP, FSDP, DeepSpeed) see one
@@ -40,7 +40,7 @@ class LossParts:
 def hybrid_loss(logits: torch.Tensor, targets: torch.Tensor, is_masked: torch.Tensor, mdm_token_weight: torch.Tensor,
                 num_samples: int, *, mdm_weight: float = 1.0) -> LossParts:
     """Loss over N labelled positions: logits [N, V], targets [N], is_masked [N], mdm_token_weight [N]
-    (= 1 / (p_mask * response length) of each position's sample)."""
+    (the mask weight of each position's sample)."""
     ce = F.cross_entropy(logits.float(), targets, reduction="none")           # [N]
     is_ar = ~is_masked
     num_ar, num_mdm = is_ar.sum(), is_masked.sum()
@@ -52,8 +52,7 @@ def hybrid_loss(logits: torch.Tensor, targets: torch.Tensor, is_masked: torch.Te
 def select_labelled(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """(selection [B, S] bool, targets [N], is_masked [N], mdm_token_weight [N]) of the labelled positions."""
     selection = batch["labels"] != IGNORE_INDEX
-    weight = 1.0 / (batch["p_mask"] * batch["response_length"])              # [B]
-    token_weight = weight[:, None].expand_as(selection)                        # [B, S]
+    token_weight = batch["mask_weight"][:, None].expand_as(selection)          # [B, S]
     return selection, batch["labels"][selection], batch["is_masked"][selection], token_weight[selection]
 
 
@@ -84,9 +83,11 @@ class HybridObjective(nn.Module):
 
     def labelled_logits(self, batch: dict[str, torch.Tensor], selection: torch.Tensor) -> torch.Tensor:
         # An explicit all-ones attention mask keeps transformers from reading the permuted position ids as
-        # several packed sequences; right padding needs no mask under causal attention.
+        # several packed sequences; right padding needs no mask under causal attention. Draft chains bring
+        # their own [B, 1, S, S] mask (noising.chain_attention).
+        mask = batch.get("attention_mask")
         inputs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                      attention_mask=torch.ones_like(batch["input_ids"]), use_cache=False)
+                      attention_mask=torch.ones_like(batch["input_ids"]) if mask is None else mask, use_cache=False)
         if not self.logits_on_labels:
             return self.model(**inputs).logits[selection]
         decoder, head = causal_lm_parts(self.model)

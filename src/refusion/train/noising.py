@@ -8,6 +8,15 @@ masked, the order of the clean slots) and `arrange_slots` lays out the buffer:
 
 Every token keeps its position id in the correctly ordered text. Labels: prompt -> ignored; a clean token
 -> the next token of its own slot (a slot's last token is ignored); a masked token -> its own token.
+
+`build_chain_sample` lays out the other use of masks, the exact mode's drafts (docs/TRAINING.md, "Draft
+chains"): the answer clean and in order, then chains of masks, each reading the text only up to its own start,
+as the decoder's masks read the committed prefix:
+
+    prompt | response, clean | chain 1 (masks) | chain 2 (masks) | ... | padding
+
+Labels: every mask -> its own token; the text -> ignored. `collate` turns each entry's chain and the text it
+may read into the batch's attention mask.
 """
 
 from __future__ import annotations
@@ -39,6 +48,15 @@ class NoisedSample:
     """Response tokens including EOS (not counting EOS slots): the MDM weight is 1 / (p_mask * this)."""
     slot_size: int
     """k of this sample."""
+    mask_weight: float = 0.0
+    """Weight of each masked token's cross-entropy in L_MDM: 1 / (p_mask * response_length) for slots, 1 / the
+    number of masks for a chain sample (each sample's masked term is then a mean over its masks)."""
+    chain: torch.Tensor | None = None
+    """[L] for a chain sample: 0 for the text (prompt and response), c > 0 for the masks of chain c; None for a
+    slot layout (plain causal attention)."""
+    reads_upto: torch.Tensor | None = None
+    """[L] for a chain sample: how many buffer entries of the text each entry may read (a text entry: itself
+    and those before; a mask: the text up to its chain's start)."""
 
 
 # 1. random choices ----------------------------------------------------------------------------------------
@@ -99,7 +117,7 @@ def arrange_slots(prompt_ids: torch.Tensor, response_ids: torch.Tensor, *, slot_
         position_ids=torch.cat([torch.arange(P), P + index[buffer_order]]),
         labels=torch.cat([torch.full((P,), IGNORE_INDEX), labels[buffer_order]]),
         is_masked=torch.cat([torch.zeros(P, dtype=torch.bool), masked[buffer_order]]),
-        p_mask=p_mask, response_length=R, slot_size=k,
+        p_mask=p_mask, response_length=R, slot_size=k, mask_weight=1.0 / (p_mask * max(R, 1)),
     )
 
 
@@ -117,6 +135,48 @@ def build_hybrid_sample(prompt_ids: torch.Tensor, response_ids: torch.Tensor, *,
     return arrange_slots(prompt_ids, response_ids, slot_size=k, slot_is_masked=slot_is_masked,
                          slot_order=slot_order, mask_token_id=mask_token_id, eos_slots=eos_slots,
                          eos_token_id=eos_token_id, p_mask=p_mask)
+
+
+def chain_starts(response_length: int, *, stride: int, generator: torch.Generator) -> torch.Tensor:
+    """Response indices where chains start: every `stride` tokens from a random offset in [0, stride), so that
+    over many samples every prefix of the answer (the prompt alone included) gets drafted after."""
+    offset = int(torch.randint(stride, (1,), generator=generator))
+    return torch.arange(offset, response_length, stride)
+
+
+def arrange_chains(prompt_ids: torch.Tensor, response_ids: torch.Tensor, *, starts: torch.Tensor, chain_masks: int,
+                   mask_token_id: int) -> NoisedSample:
+    """The text clean and in order, then one chain per start s: masks at response positions s, s+1, ... (at most
+    `chain_masks`, none past the response), labelled with the tokens there and reading the text before s.
+
+    The decoder's masks after a committed prefix are the same: the first stands for the token the AR logits give
+    next, the others draft the tokens after it (docs/DECODING.md, "The exact mode")."""
+    P, R = prompt_ids.numel(), response_ids.numel()
+    offsets = torch.arange(chain_masks)
+    index = (starts[:, None] + offsets[None, :])                                    # [C, m] response indices
+    keep = (index < R).flatten()
+    index = index.flatten()[keep]
+    chain = torch.arange(1, starts.numel() + 1)[:, None].expand(-1, chain_masks).flatten()[keep]
+    reads = (P + starts)[:, None].expand(-1, chain_masks).flatten()[keep]
+    n = index.numel()
+    text = P + R
+    return NoisedSample(
+        input_ids=torch.cat([prompt_ids, response_ids, torch.full((n,), mask_token_id, dtype=response_ids.dtype)]),
+        position_ids=torch.cat([torch.arange(text), P + index]),
+        labels=torch.cat([torch.full((text,), IGNORE_INDEX), response_ids[index]]),
+        is_masked=torch.cat([torch.zeros(text, dtype=torch.bool), torch.ones(n, dtype=torch.bool)]),
+        p_mask=1.0, response_length=R, slot_size=chain_masks, mask_weight=1.0 / max(n, 1),
+        chain=torch.cat([torch.zeros(text, dtype=torch.long), chain]),
+        reads_upto=torch.cat([torch.arange(1, text + 1), reads]),
+    )
+
+
+def build_chain_sample(prompt_ids: torch.Tensor, response_ids: torch.Tensor, *, chain_masks: int, stride: int,
+                       mask_token_id: int, generator: torch.Generator) -> NoisedSample:
+    """docs/TRAINING.md, "Draft chains": one (prompt, response + EOS) pair laid out for the exact mode's drafts."""
+    starts = chain_starts(response_ids.numel(), stride=stride, generator=generator)
+    return arrange_chains(prompt_ids, response_ids, starts=starts, chain_masks=chain_masks,
+                          mask_token_id=mask_token_id)
 
 
 def build_ar_sample(prompt_ids: torch.Tensor, response_ids: torch.Tensor) -> NoisedSample:
@@ -151,5 +211,26 @@ def collate(samples: Sequence[NoisedSample], *, pad_token_id: int) -> dict[str, 
         batch["is_masked"][row, :n] = s.is_masked
     batch["p_mask"] = torch.tensor([s.p_mask for s in samples], dtype=torch.float32)
     batch["response_length"] = torch.tensor([s.response_length for s in samples], dtype=torch.float32)
+    batch["mask_weight"] = torch.tensor([s.mask_weight for s in samples], dtype=torch.float32)
     batch["num_tokens"] = torch.tensor(sum(s.input_ids.numel() for s in samples))
+    if any(s.chain is not None for s in samples):
+        batch["attention_mask"] = chain_attention(samples, length)
     return batch
+
+
+def chain_attention(samples: Sequence[NoisedSample], length: int) -> torch.Tensor:
+    """[B, 1, S, S] bool: what each entry may read. A text entry (and every entry of a slot layout, and padding):
+    the entries before it and itself (causal); a mask: the text up to its chain's start and the masks of its
+    own chain up to itself."""
+    B = len(samples)
+    chain = torch.zeros(B, length, dtype=torch.long)
+    reads = torch.arange(1, length + 1).repeat(B, 1)
+    for row, s in enumerate(samples):
+        if s.chain is not None:
+            chain[row, : s.chain.numel()] = s.chain
+            reads[row, : s.reads_upto.numel()] = s.reads_upto
+    key = torch.arange(length)
+    text_key = (chain[:, None, :] == 0) & (key[None, None, :] < reads[:, :, None])              # [B, S, S]
+    same_chain = ((chain[:, :, None] == chain[:, None, :]) & (chain[:, :, None] > 0)
+                  & (key[None, None, :] <= key[None, :, None]))
+    return (text_key | same_chain)[:, None]

@@ -297,7 +297,8 @@ def train(config: TrainConfig, *, on_step: Callable[[dict], None] | None = None)
     data = load_training_data(config.data, tokenizer, eos_id=eos_id, max_length=config.max_length,
                               reserved=reserved, data_dir=config.data_dir, max_samples=config.max_samples)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
-    recipe = BatchRecipe(config.objective, config.slot_sizes, mask_id, pad_id, eos_id, config.eos_slots)
+    recipe = BatchRecipe(config.objective, config.slot_sizes, mask_id, pad_id, eos_id, config.eos_slots,
+                         config.chain_fraction, config.chain_masks, config.chain_stride)
     stream = MicroBatchStream(data, recipe, seed=config.seed, batch_size=config.batch_size,
                               world_size=accelerator.num_processes, rank=accelerator.process_index,
                               bucket_by_length=config.bucket_by_length)
