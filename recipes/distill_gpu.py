@@ -7,7 +7,7 @@ padding), with refusion's prompt format and EOS tokens, and writes the same reco
 (`{"query", "response", "origin", "stats": {"tokens", "finish_reason"}}`, in --input's order), so the distill
 script's packing step reads them unchanged. The answers are the base's fp32 greedy ones up to the GPU's rounding.
 
-    python recipes/distill_gpu.py --input distill-mix --skip 3100 --output runs/v3/answers.jsonl --seconds 200
+    python recipes/distill_gpu.py --input distill-mix --skip 3100 --shortest 8192 --output runs/v3/answers.jsonl
 
 With `--seconds`, batches stop starting once that much time has passed: the records written are the prompts
 decoded so far (shortest prompts first), and a later run with the same arguments continues with the others.
@@ -31,11 +31,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--skip", type=int, default=0, help="leave out the first M prompts")
     p.add_argument("--limit", type=int, default=None, help="only prompts up to N")
+    p.add_argument("--shortest", type=int, default=None,
+                   help="only the N shortest prompts (by tokens; ties in --input's order)")
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--max-new-tokens", type=int, default=384)
     p.add_argument("--seconds", type=float, default=None, help="start no batch after this many seconds")
     p.add_argument("--device", default="cuda")
     return p.parse_args(argv)
+
+
+def write_records(path: str, prompts: list[tuple[str, str]], done: dict) -> None:
+    """The answered prompts' records, in the prompts' order, replacing `path` at once."""
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        for origin, query in prompts:
+            if (origin, query) in done:
+                f.write(json.dumps(done[origin, query]) + "\n")
+    os.replace(path + ".tmp", path)
 
 
 def main(argv=None) -> int:
@@ -56,8 +67,12 @@ def main(argv=None) -> int:
     model, tokenizer = refusion.load(args.model, dtype="float32", device=args.device)
     eos = list(setup_of(model).special_tokens.eos_token_ids)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    ids = encode_prompts(tokenizer, [prompts[i][1] for i in todo])
+    ids_all = encode_prompts(tokenizer, [query for _, query in prompts])
+    ids = [ids_all[i] for i in todo]
     order = sorted(range(len(todo)), key=lambda j: len(ids[j]))
+    if args.shortest is not None:  # the N shortest of all the prompts, those already answered included
+        allowed = set(sorted(range(len(prompts)), key=lambda i: len(ids_all[i]))[: args.shortest])
+        order = [j for j in order if todo[j] in allowed]
     tokens_out = 0
     for start in range(0, len(order), args.batch_size):
         if args.seconds is not None and time.perf_counter() - started > args.seconds:
@@ -82,14 +97,10 @@ def main(argv=None) -> int:
                                    "origin": origin, "stats": {"tokens": len(response),
                                                                "finish_reason": "eos" if ends else "length"}}
             tokens_out += len(response)
+        write_records(args.output, prompts, done)  # after every batch: a run stopped from outside loses one batch
         elapsed = time.perf_counter() - started
         print(f"distil: {min(start + args.batch_size, len(order))}/{len(order)} prompts, {tokens_out} tokens, "
               f"{elapsed:.0f} s", flush=True)
-    with open(args.output + ".tmp", "w", encoding="utf-8") as f:
-        for origin, query in prompts:
-            if (origin, query) in done:
-                f.write(json.dumps(done[origin, query]) + "\n")
-    os.replace(args.output + ".tmp", args.output)
     print(f"distil: {args.output} holds {sum(key in done for key in prompts)} of {len(prompts)} answers")
     return 0
 

@@ -1,0 +1,95 @@
+"""The embedded model's drafters side by side on held-out prompts, per prompt group, in one run, batch 1.
+
+The embedded model and, with `--compare DIR`, the same base under another mask-gated adapter (e.g. an earlier
+version's) are loaded; for every prompt, back to back (so machine noise hits every mode alike), each decodes it:
+AR decoding and the embedded preset's exact mode (drafts copied from the text and the draft table, no masks) once,
+since a mask-gated adapter leaves both the base's; then, per adapter, the exact mode drafting from masks alone
+(`draft_length` d, no copies), the same with pre-drafts (a chain of masks per possible acceptance length), copies
+and masks (masks where nothing can be copied), and plan and infill (the preset's settings). Reported per prompt group
+and mode: tokens, tokens per forward and per verify forward, tokens/s, the ratio to AR, and how many outputs equal
+AR decoding's. The prompts are `linear_kernels.prompt_groups`: none of the tuning prompts (docs/BENCHMARKS.md,
+"Prompts"). Ends with one JSON line.
+
+    python benchmarks/drafters.py [--compare runs/v2] [--per-group 6] [--max-new-tokens 128] [--draft-length 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import warnings
+
+import torch
+from linear_kernels import prompt_groups
+
+from refusion.config import DecodeConfig, IgnoredSetting
+from refusion.decode.loop import generate
+from refusion.model.embedded import default_decode_settings
+from refusion.model.loading import encode_prompts, load
+
+
+def modes(preset: DecodeConfig, d: int) -> dict[str, DecodeConfig]:
+    """Per adapter: the modes whose drafts come from its masks."""
+    masks = preset.replace(strategy="speculative", draft_length=d, lookup_length=0, table_length=0, predraft=False)
+    return {f"masks_d{d}": masks, f"masks_d{d}_predraft": masks.replace(predraft=True),
+            f"copies_masks_d{d}": preset.replace(strategy="speculative", draft_length=d),
+            "plan_and_infill": preset.replace(strategy="refusion")}
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore", category=IgnoredSetting)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compare", default=None, metavar="DIR", help="another mask-gated adapter of the same base")
+    parser.add_argument("--per-group", type=int, default=6)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--draft-length", type=int, default=3)
+    args = parser.parse_args()
+
+    models = {"embedded": load()}
+    if args.compare:
+        models[args.compare] = load(args.compare)
+    preset = DecodeConfig(max_new_tokens=args.max_new_tokens, **default_decode_settings())
+    engines = [("-", "autoregressive", preset.replace(strategy="autoregressive")), ("-", "exact", preset)]
+    engines += [(label, name, cfg) for label in models for name, cfg in modes(preset, args.draft_length).items()]
+    tokenizer = models["embedded"][1]
+    groups = prompt_groups(args.per_group)
+    for label, _, cfg in engines:  # warm-up
+        generate(models["embedded" if label == "-" else label][0], [[1, 2, 3]], cfg.replace(max_new_tokens=4))
+
+    results = {}
+    for group, texts in groups.items():
+        totals = {(label, name): dict(tokens=0, forwards=0, verify=0, seconds=0.0, identical_to_ar=0)
+                  for label, name, _ in engines}
+        for i, prompt in enumerate(encode_prompts(tokenizer, texts)):
+            ar = None
+            for label, name, cfg in engines:
+                model = models["embedded" if label == "-" else label][0]
+                out = generate(model, [prompt], cfg)
+                s, t = out.stats.per_sequence[0], totals[label, name]
+                ar = out.sequences[0] if name == "autoregressive" else ar
+                t["tokens"] += s.tokens
+                t["forwards"] += s.forwards
+                t["verify"] += s.phase_forwards.get("verify", 0)
+                t["seconds"] += s.seconds
+                t["identical_to_ar"] += out.sequences[0] == ar
+            print(f"{group} {i + 1}/{len(texts)}", flush=True)
+        base = totals["-", "autoregressive"]
+        for (label, name), t in totals.items():
+            t["tokens_per_forward"] = t["tokens"] / t["forwards"]
+            t["tokens_per_verify"] = t["tokens"] / t["verify"] if t["verify"] else None
+            t["tokens_per_second"] = t["tokens"] / t["seconds"]
+            t["speed_vs_ar"] = t["tokens_per_second"] / (base["tokens"] / base["seconds"])
+            results.setdefault(group, {})[f"{label}:{name}"] = t
+            per_verify = f"{t['tokens_per_verify']:5.2f}" if t["tokens_per_verify"] else "    -"
+            print(f"{group:11s} {label:10.10s} {name:22s} TPF {t['tokens_per_forward']:5.2f}  per verify {per_verify}"
+                  f"  {t['tokens_per_second']:6.1f} tok/s  x{t['speed_vs_ar']:.2f} AR  "
+                  f"identical {t['identical_to_ar']}/{len(texts)}", flush=True)
+    print(json.dumps({"benchmark": "drafters", "compare": args.compare, "per_group": args.per_group,
+                      "max_new_tokens": args.max_new_tokens, "draft_length": args.draft_length,
+                      "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+                      "results": results}))
+
+
+if __name__ == "__main__":
+    main()
