@@ -24,7 +24,11 @@ def by_source(records: list[dict]) -> collections.Counter:
 def main(argv: list[str]) -> int:
     source, packed, start = argv[0], argv[1], int(argv[2]) if len(argv) > 2 else 0
     limit = int(argv[3]) if len(argv) > 3 else None
-    records = [json.loads(line) for line in open(source, encoding="utf-8") if line.strip()][start:limit]
+    try:
+        records = [json.loads(line) for line in open(source, encoding="utf-8") if line.strip()][start:limit]
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"pack_answers: cannot read {source}: {e}", file=sys.stderr)
+        return 1
     kept = [r for r in records if r["stats"]["finish_reason"] == "eos"]
     lines = "".join(json.dumps({"query": r["query"], "response": r["response"], "origin": r["origin"]}) + "\n"
                     for r in kept)
