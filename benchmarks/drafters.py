@@ -11,6 +11,7 @@ AR decoding's. The prompts are `linear_kernels.prompt_groups`: none of the tunin
 "Prompts"). Ends with one JSON line.
 
     python benchmarks/drafters.py [--compare runs/v2] [--per-group 6] [--max-new-tokens 128] [--draft-length 3]
+                                  [--modes masks_d3,plan_and_infill]
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def main() -> None:
     parser.add_argument("--per-group", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--draft-length", type=int, default=3)
+    parser.add_argument("--modes", default=None, help="comma-separated subset of the per-adapter modes (masks_dD, "
+                        "masks_dD_predraft, copies_masks_dD, plan_and_infill; default: all)")
     args = parser.parse_args()
 
     models = {"embedded": load()}
@@ -51,7 +54,13 @@ def main() -> None:
         models[args.compare] = load(args.compare)
     preset = DecodeConfig(max_new_tokens=args.max_new_tokens, **default_decode_settings())
     engines = [("-", "autoregressive", preset.replace(strategy="autoregressive")), ("-", "exact", preset)]
-    engines += [(label, name, cfg) for label in models for name, cfg in modes(preset, args.draft_length).items()]
+    chosen = modes(preset, args.draft_length)
+    if args.modes:
+        unknown = set(args.modes.split(",")) - set(chosen)
+        if unknown:
+            parser.error(f"--modes: unknown {', '.join(sorted(unknown))} (choose from {', '.join(chosen)})")
+        chosen = {name: cfg for name, cfg in chosen.items() if name in args.modes.split(",")}
+    engines += [(label, name, cfg) for label in models for name, cfg in chosen.items()]
     tokenizer = models["embedded"][1]
     groups = prompt_groups(args.per_group)
     for label, _, cfg in engines:  # warm-up

