@@ -266,6 +266,20 @@ def test_mask_gated_adapter_keeps_the_base_ar_path_and_drafts_with_the_adapter(t
 
     assert cli_main(["export-adapter", str(run / "adapter"), str(tmp_path / "ship")]) == 0
     assert adapter_gate(tmp_path / "ship") == "mask"
+    # cut to a lower rank: still mask-gated (clean rows the base's), the mask rows the full rank's at rank 4
+    for rank in (4, 1):
+        target = tmp_path / f"rank{rank}"
+        assert cli_main(["export-adapter", str(run / "adapter"), str(target), "--rank", str(rank),
+                         "--dtype", "float32"]) == 0
+        cut, _ = refusion.load(target, dtype="float32", device="cpu")
+        with torch.no_grad():
+            cut_logits = cut(masked).logits
+            assert torch.equal(cut_logits[:, :3, keep], base_logits[:, :3, keep])
+        if rank == 4:
+            torch.testing.assert_close(cut_logits[..., keep], gated_logits[..., keep], rtol=1e-4, atol=1e-4)
+        else:
+            assert not torch.allclose(cut_logits[..., keep], gated_logits[..., keep], rtol=1e-4, atol=1e-4)
+    assert cli_main(["export-adapter", str(run / "adapter"), str(tmp_path / "r5"), "--rank", "5"]) == 2
     (tmp_path / "ship" / "refusion_adapter.json").write_text('{"lora_gate": "everywhere"}')
     with pytest.raises(ValueError, match="lora_gate='everywhere'"):
         refusion.load(tmp_path / "ship", dtype="float32", device="cpu")
