@@ -60,9 +60,9 @@ def main(argv=None) -> int:
     prompts = read_prompt_file(args.input)[args.skip:args.limit]
     done = {}
     if os.path.exists(args.output):
-        for line in open(args.output, encoding="utf-8"):
-            record = json.loads(line)
-            done[record["origin"], record["query"]] = record
+        with open(args.output, encoding="utf-8") as f:
+            for record in map(json.loads, f):
+                done[record["origin"], record["query"]] = record
     todo = [i for i, (origin, query) in enumerate(prompts) if (origin, query) not in done]
     model, tokenizer = refusion.load(args.model, dtype="float32", device=args.device)
     eos = list(setup_of(model).special_tokens.eos_token_ids)

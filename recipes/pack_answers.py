@@ -25,7 +25,8 @@ def main(argv: list[str]) -> int:
     source, packed, start = argv[0], argv[1], int(argv[2]) if len(argv) > 2 else 0
     limit = int(argv[3]) if len(argv) > 3 else None
     try:
-        records = [json.loads(line) for line in open(source, encoding="utf-8") if line.strip()][start:limit]
+        with open(source, encoding="utf-8") as f:
+            records = [json.loads(line) for line in f if line.strip()][start:limit]
     except (OSError, json.JSONDecodeError) as e:
         print(f"pack_answers: cannot read {source}: {e}", file=sys.stderr)
         return 1

@@ -61,7 +61,8 @@ def test_packing_keeps_the_answers_that_ended(tmp_path, capsys):
     pack = recipe_module("pack_answers")
     packed = tmp_path / "packed.jsonl.gz"
     assert pack.main([str(answers), str(packed), "1", "5"]) == 0  # records 2..5
-    kept = [json.loads(line) for line in gzip.open(packed, "rt")]
+    with gzip.open(packed, "rt") as f:
+        kept = [json.loads(line) for line in f]
     assert kept == [{"query": f"q{i}", "response": f"r{i}", "origin": f"a/b.jsonl:{i}"} for i in (1, 3)]
     assert "a/b.jsonl: kept 2 of 4" in capsys.readouterr().out
     first = packed.read_bytes()

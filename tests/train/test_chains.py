@@ -10,7 +10,13 @@ from refusion.model.tiny import tiny_model
 from refusion.train.batching import BatchRecipe, MicroBatchStream
 from refusion.train.data import TokenizedData
 from refusion.train.loss import HybridObjective, select_labelled
-from refusion.train.noising import IGNORE_INDEX, arrange_chains, build_chain_sample, build_hybrid_sample, collate
+from refusion.train.noising import (
+    IGNORE_INDEX,
+    arrange_chains,
+    build_chain_sample,
+    build_hybrid_sample,
+    collate,
+)
 
 MASK, PAD, EOS = 63, 0, 2
 

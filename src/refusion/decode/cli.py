@@ -126,7 +126,8 @@ def read_stdin() -> str:
 
 def read_prompt_file(path: str) -> list[tuple[str, str]]:
     """(origin, prompt) of each record of a JSONL file of {"prompt": ...} or {"query": ...} records (origin: the
-    record's "origin" string, else "file:line"; errors name the line), or of a built-in prompt set when `path` is its name and no such file exists."""
+    record's "origin" string, else "file:line"; errors name the line), or of a built-in prompt set when `path` is
+    its name and no such file exists."""
     from refusion.data import builtin_train_pairs
     from refusion.open_ended import SPLITS, open_ended_prompts
 
