@@ -53,6 +53,8 @@ def test_a_pin_that_cannot_hold_is_one_line_before_or_at_load(tiny_model_dir):
         refusion.load(tiny_model_dir, linear="fast")
     with pytest.raises(ValueError, match="linear='packed' needs bf16"):
         refusion.load(tiny_model_dir, dtype="float32", device="cpu", linear="packed")
+    with pytest.raises(ValueError, match="compile='yes' is invalid"):
+        refusion.load(tiny_model_dir, dtype="float32", device="cpu", compile="yes")
 
 
 def test_the_cli_takes_the_pins(tiny_model_dir, capsys):

@@ -160,6 +160,8 @@ def prepare(model, tokenizer=None, *, directory: str | Path | None = None, linea
     from refusion.decode.costs import measure
 
     check_linear(linear)
+    if not isinstance(compile, bool):
+        raise ValueError(f"compile={compile!r} is invalid: must be True or False")
     if getattr(model, _ATTRIBUTE, None) is not None:
         raise ValueError("prepare: this model was already prepared (its setup is refusion.setup_of(model)); "
                          "load it again to choose other kernels")
