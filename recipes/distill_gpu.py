@@ -11,11 +11,14 @@ script's packing step reads them unchanged. The answers are the base's fp32 gree
 
 With `--seconds`, batches stop starting once that much time has passed: the records written are the prompts
 decoded so far (shortest prompts first), and a later run with the same arguments continues with the others.
+`--exclude` leaves out the prompts of packed sets already made (the rest of the mix after v3's set:
+`--input distill-mix --skip 3100 --exclude recipes/data/refusion-smol-v3-distill.jsonl.gz`).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import sys
@@ -33,6 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=None, help="only prompts up to N")
     p.add_argument("--shortest", type=int, default=None,
                    help="only the N shortest prompts (by tokens; ties in --input's order)")
+    p.add_argument("--exclude", nargs="+", default=[], metavar="PACKED",
+                   help="leave out the prompts answered in these packed sets (recipes/data/*.jsonl.gz)")
     p.add_argument("--batch-size", type=int, default=1024)
     p.add_argument("--max-new-tokens", type=int, default=384)
     p.add_argument("--seconds", type=float, default=None, help="start no batch after this many seconds")
@@ -63,6 +68,11 @@ def main(argv=None) -> int:
         with open(args.output, encoding="utf-8") as f:
             for record in map(json.loads, f):
                 done[record["origin"], record["query"]] = record
+    excluded = set()
+    for path in args.exclude:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            excluded.update((r["origin"], r["query"]) for r in map(json.loads, f))
+    prompts = [key for key in prompts if key not in excluded]
     todo = [i for i, (origin, query) in enumerate(prompts) if (origin, query) not in done]
     model, tokenizer = refusion.load(args.model, dtype="float32", device=args.device)
     eos = list(setup_of(model).special_tokens.eos_token_ids)
