@@ -160,6 +160,11 @@ def test_the_open_ended_set_is_fixed_and_its_held_out_part_apart(data_dir):
     assert all(p.endswith(("gsm 0?", "gsm 1?", "gsm 2?")) for p in rewrites)  # GSM8K train questions, not test
     with pytest.raises(ValueError, match="split='dev'"):
         open_ended_prompts("dev", data_dir)
+    extra = open_ended_prompts("extra", data_dir)  # training only: no request, topic or text of the set
+    assert extra == open_ended_prompts("extra", data_dir) and len(extra) == len({p for _, p in extra})
+    assert not {p for _, p in extra} & {p for _, p in train + test}
+    assert all(origin.startswith("open-ended-extra:") for origin, _ in extra)
+    assert {origin.split(":")[1] for origin, _ in extra} >= {"explain", "story", "how-to"}
 
 
 def test_generate_reads_the_open_ended_set_by_name(tiny_model_dir, data_dir, tmp_path, monkeypatch):
