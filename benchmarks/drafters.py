@@ -53,27 +53,28 @@ def main() -> None:
     if args.compare:
         models[args.compare] = load(args.compare)
     preset = DecodeConfig(max_new_tokens=args.max_new_tokens, **default_decode_settings())
-    engines = [("-", "autoregressive", preset.replace(strategy="autoregressive")), ("-", "exact", preset)]
+    base_model = models["embedded"][0]  # AR and the preset use no mask: the base's, whatever the adapter
+    engines = [("-", "autoregressive", preset.replace(strategy="autoregressive"), base_model),
+               ("-", "exact", preset, base_model)]
     chosen = modes(preset, args.draft_length)
     if args.modes:
         unknown = set(args.modes.split(",")) - set(chosen)
         if unknown:
             parser.error(f"--modes: unknown {', '.join(sorted(unknown))} (choose from {', '.join(chosen)})")
         chosen = {name: cfg for name, cfg in chosen.items() if name in args.modes.split(",")}
-    engines += [(label, name, cfg) for label in models for name, cfg in chosen.items()]
+    engines += [(label, name, cfg, model) for label, (model, _) in models.items() for name, cfg in chosen.items()]
     tokenizer = models["embedded"][1]
     groups = prompt_groups(args.per_group)
-    for label, _, cfg in engines:  # warm-up
-        generate(models["embedded" if label == "-" else label][0], [[1, 2, 3]], cfg.replace(max_new_tokens=4))
+    for _, _, cfg, model in engines:  # warm-up
+        generate(model, [[1, 2, 3]], cfg.replace(max_new_tokens=4))
 
     results = {}
     for group, texts in groups.items():
         totals = {(label, name): dict(tokens=0, forwards=0, verify=0, seconds=0.0, identical_to_ar=0)
-                  for label, name, _ in engines}
+                  for label, name, _, _ in engines}
         for i, prompt in enumerate(encode_prompts(tokenizer, texts)):
             ar = None
-            for label, name, cfg in engines:
-                model = models["embedded" if label == "-" else label][0]
+            for label, name, cfg, model in engines:
                 out = generate(model, [prompt], cfg)
                 s, t = out.stats.per_sequence[0], totals[label, name]
                 ar = out.sequences[0] if name == "autoregressive" else ar

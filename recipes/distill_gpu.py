@@ -73,16 +73,14 @@ def main(argv=None) -> int:
         with gzip.open(path, "rt", encoding="utf-8") as f:
             excluded.update((r["origin"], r["query"]) for r in map(json.loads, f))
     prompts = [key for key in prompts if key not in excluded]
-    todo = [i for i, (origin, query) in enumerate(prompts) if (origin, query) not in done]
     model, tokenizer = refusion.load(args.model, dtype="float32", device=args.device)
     eos = list(setup_of(model).special_tokens.eos_token_ids)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    ids_all = encode_prompts(tokenizer, [query for _, query in prompts])
-    ids = [ids_all[i] for i in todo]
-    order = sorted(range(len(todo)), key=lambda j: len(ids[j]))
+    ids = encode_prompts(tokenizer, [query for _, query in prompts])
+    order = sorted(range(len(prompts)), key=lambda i: len(ids[i]))  # shortest first, ties in --input's order
     if args.shortest is not None:  # the N shortest of all the prompts, those already answered included
-        allowed = set(sorted(range(len(prompts)), key=lambda i: len(ids_all[i]))[: args.shortest])
-        order = [j for j in order if todo[j] in allowed]
+        order = order[: args.shortest]
+    order = [i for i in order if prompts[i] not in done]
     tokens_out = 0
     for start in range(0, len(order), args.batch_size):
         if args.seconds is not None and time.perf_counter() - started > args.seconds:
@@ -102,7 +100,7 @@ def main(argv=None) -> int:
             response = out[row, width:].tolist()
             ends = [k for k, t in enumerate(response) if t in eos]
             response = response[: ends[0] + 1] if ends else response
-            origin, query = prompts[todo[j]]
+            origin, query = prompts[j]
             done[origin, query] = {"query": query, "response": tokenizer.decode(response, skip_special_tokens=True),
                                    "origin": origin, "stats": {"tokens": len(response),
                                                                "finish_reason": "eos" if ends else "length"}}

@@ -12,10 +12,8 @@
 #                                                              second and third sets were packed)
 #   SKIP=M PACKED=FILE bash ...                                answers to prompts M+1.. only (M+1..LIMIT with LIMIT):
 #                                                              OUTPUT_DIR/answers.jsonl then starts at prompt M+1
-#                                                              and FROM counts from there (how refusion-smol v3's
-#                                                              set was made: recipes/refusion-smol-v3.sh)
-#   SECONDS_LIMIT=S bash ...                                   stop generating after S seconds and pack what is done
-#                                                              (a run on a lent GPU; the next run continues)
+#                                                              and FROM counts from there (on a GPU,
+#                                                              recipes/distill_gpu.py is the faster path)
 #   INPUT=open-ended bash recipes/refusion-smol-v2-distill.sh  the same for another prompt set: the train part of the
 #                                                              open-ended requests (refusion/open_ended.py), into
 #                                                              runs/open-ended-distill and
@@ -39,10 +37,9 @@ else PACKED=recipes/data/$NAME-distill.jsonl.gz; fi
 mkdir -p "$OUT" "$(dirname "$PACKED")"
 
 # 1. the base model's greedy answers, one JSON line per prompt, in the mix's order (resumable)
-${SECONDS_LIMIT:+timeout --signal=INT --kill-after=30 "$SECONDS_LIMIT"} \
-  refusion generate --model smollm2 --strategy autoregressive --input "$INPUT" ${LIMIT:+--limit "$LIMIT"} \
+refusion generate --model smollm2 --strategy autoregressive --input "$INPUT" ${LIMIT:+--limit "$LIMIT"} \
   --skip "$SKIP" --max-new-tokens 384 --batch-size ${BATCH:-32} --dtype ${DTYPE:-float32} \
-  --output "$OUT/answers.jsonl" || [ -n "${SECONDS_LIMIT:-}" ]  # out of time: pack what is written
+  --output "$OUT/answers.jsonl"
 
 # 2. keep the answers that ended with EOS (those cut at the length limit teach no ending), as training records
 #    {"query", "response", "origin"}, gzip-compressed with a fixed timestamp (same answers, same bytes)

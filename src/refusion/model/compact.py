@@ -3,11 +3,11 @@
 transformers' forward of a decoder layer passes through decorators, keyword plumbing, an attention-interface lookup
 and a module call per sub-layer: on a CPU, where a small model's one-token forward takes tens of milliseconds,
 that Python is a tenth of the step. `CompactForward` runs the same operations in the same order on the model's own
-modules and weights (its linear layers, norms, rotary embedding, attention function, the mask-gated adapter), so
-its logits are transformers' bit for bit (tested logit for logit on every supported family, fp32 and bf16), and
-skips the rest: the norms and linear layers inside the layers are called through their `forward` (no hook dispatch;
-the embedding and the LM head stay module calls, so their hooks run), the attention
-function is looked up once, and KV entries go straight to the `SlotCache`.
+modules, weights and functions (its linear layers, norms, rotary embedding and its application, attention
+function, the mask-gated adapter), so its logits are transformers' bit for bit (tested logit for logit on every
+supported family, fp32 and bf16), and skips the rest: the norms and linear layers inside the layers are called
+through their `forward` (no hook dispatch; the embedding and the LM head stay module calls, so their hooks run),
+the family's functions are looked up once, and KV entries go straight to the `SlotCache`.
 
 Any other model, a model in training, or one with hooks on its sub-layers (offloading, peft's wrappers) decodes
 through transformers' forward: `compact_forward(model)` returns None for it.
@@ -33,11 +33,10 @@ class CompactForward:
         inner = model.model
         self.embed, self.layers, self.norm, self.rotary = inner.embed_tokens, inner.layers, inner.norm, inner.rotary_emb
         self.lm_head = model.lm_head
+        family = sys.modules[type(model).__module__]  # the family's modeling module: its own functions
         attention = model.config._attn_implementation
-        if attention == "eager":
-            self.attention = sys.modules[type(model).__module__].eager_attention_forward  # the family's own
-        else:
-            self.attention = ALL_ATTENTION_FUNCTIONS[attention]
+        self.attention = family.eager_attention_forward if attention == "eager" else ALL_ATTENTION_FUNCTIONS[attention]
+        self.rotate = family.apply_rotary_pos_emb
         self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")  # Qwen3
         self.layer_types = getattr(model.config, "layer_types", None)  # which mask each layer takes, when several
 
@@ -66,7 +65,7 @@ class CompactForward:
         query, key = query.transpose(1, 2), key.transpose(1, 2)
         value = attn.v_proj.forward(hidden).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
-        query, key = _rotate(query, key, cos, sin)
+        query, key = self.rotate(query, key, cos, sin)
         key, value = cache.write(index, key, value)
         kwargs = {"sliding_window": attn.sliding_window} if getattr(attn, "sliding_window", None) else {}
         out, _ = self.attention(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling, **kwargs)
@@ -75,17 +74,6 @@ class CompactForward:
     @staticmethod
     def _mlp(mlp: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         return mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(hidden)) * mlp.up_proj.forward(hidden))
-
-
-def _rotate(query, key, cos, sin):
-    """RoPE as transformers' `apply_rotary_pos_emb` computes it (the same operations, so the same bits)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return (query * cos) + (_rotate_half(query) * sin), (key * cos) + (_rotate_half(key) * sin)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def compact_forward(model) -> CompactForward | None:
@@ -97,7 +85,7 @@ def compact_forward(model) -> CompactForward | None:
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
         return None
-    if config._attn_implementation not in ("sdpa", "eager") and config._attn_implementation not in ALL_ATTENTION_FUNCTIONS:
+    if config._attn_implementation != "eager" and config._attn_implementation not in ALL_ATTENTION_FUNCTIONS:
         return None
     called = (inner.embed_tokens, model.lm_head)  # called as modules, so their hooks run
     for module in model.modules():
