@@ -114,4 +114,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (OSError, ValueError, RuntimeError) as e:  # a missing file, a bad record, no such device: one line
+        sys.exit(f"distill_gpu: {e}")
