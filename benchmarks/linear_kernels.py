@@ -3,7 +3,7 @@
 For every prompt, back to back (so machine noise hits every engine alike): refusion's AR decoding and exact
 mode (the embedded model's preset; "exact_every_draft" the same without the cost-aware cut of its drafts,
 `decode.costs`; "ar_transformers" and "exact_transformers" through transformers' forward instead of
-`model.compact`; `--modes` chooses) with each linear kernel (`--kernels`, default the auto choice and "int4", the
+`model.compact`; "ar_unfused" and "exact_unfused" without its fused products, `model.fused`; `--modes` chooses) with each linear kernel (`--kernels`, default the auto choice and "int4", the
 GGUF's 4-bit blocks), then llama.cpp's plain greedy decoding of the base GGUF (`--llama-cpp DIR` holding a
 `llama-completion` binary; skipped without it). Reported per engine and prompt group: tokens, seconds, tokens/s
 (refusion: prefill included; llama.cpp: prompt evaluation included, and decode alone), the ratio to the first
@@ -43,19 +43,23 @@ import torch
 from refusion.config import layered_config
 from refusion.decode.loop import generate
 from refusion.eval.tasks import load_examples
+from refusion.model.compact import CompactForward
 from refusion.model.embedded import default_decode_settings
 from refusion.model.loading import encode_prompts, load, smollm2_gguf_path
 from refusion.model.setup import setup_of
 from refusion.open_ended import open_ended_prompts
 
 MODES = {
-    "ar": lambda setup: setup,
-    "exact": lambda setup: setup,
-    "exact_every_draft": lambda setup: setup.replace(forward_costs=None),  # no cost-aware cut of the drafts
-    "ar_transformers": lambda setup: setup.replace(compact=False),  # transformers' forward, not CompactForward
-    "exact_transformers": lambda setup: setup.replace(compact=False),
+    "ar": lambda setup, model: setup,
+    "exact": lambda setup, model: setup,
+    "exact_every_draft": lambda setup, model: setup.replace(forward_costs=None),  # no cost-aware cut of the drafts
+    "ar_transformers": lambda setup, model: setup.replace(compact=False),  # transformers' forward, not CompactForward
+    "exact_transformers": lambda setup, model: setup.replace(compact=False),
+    "ar_unfused": lambda setup, model: setup.replace(compact_forward=CompactForward(model, fuse=False)),
+    "exact_unfused": lambda setup, model: setup.replace(compact_forward=CompactForward(model, fuse=False)),
 }
-"""Engines per kernel: the decoding mode (AR or the embedded preset's exact mode) and what the setup changes."""
+"""Engines per kernel: the decoding mode (AR or the embedded preset's exact mode) and what the setup changes
+("unfused": q/k/v and gate/up multiplied one layer at a time, `model.fused`)."""
 
 PROMPT_GROUPS = {"gsm8k": ("gsm8k", 400), "arc": ("arc_challenge", 300), "mbpp": ("mbpp", 300)}
 """Task prompt groups: (evaluation task, examples skipped): past every tuning prompt (docs/BENCHMARKS.md)."""
@@ -110,10 +114,12 @@ def main() -> None:
         raise SystemExit(f"no llama-completion in {args.llama_cpp}")
     groups = prompt_groups(args.per_group)
     engines = [f"{kernel}/{mode}" for kernel in kernels for mode in configs] + (["llama.cpp"] if binary else [])
-    for model, _ in models.values():  # warm-up
-        for cfg in configs.values():
-            generate(model, encode_prompts(tokenizer, "Hi"), cfg.replace(max_new_tokens=8))
 
+    setups = {(kernel, mode): MODES[mode](setup_of(model), model) for kernel, (model, _) in models.items()
+              for mode in configs}  # built once: their forwards keep their weights from prompt to prompt
+    for (kernel, mode), setup in setups.items():  # warm-up (and the fused weights built)
+        model = models[kernel][0]
+        generate(model, encode_prompts(tokenizer, "Hi"), configs[mode].replace(max_new_tokens=8), setup=setup)
     rows = []
     first = kernels[0]
     for group, texts in groups.items():
@@ -122,7 +128,7 @@ def main() -> None:
             outputs = {}
             for kernel, (model, _) in models.items():
                 for mode, cfg in configs.items():
-                    out = generate(model, ids, cfg, setup=MODES[mode](setup_of(model)))
+                    out = generate(model, ids, cfg, setup=setups[kernel, mode])
                     s, engine = out.stats.per_sequence[0], f"{kernel}/{mode}"
                     outputs[engine] = out.sequences[0]
                     row = {"group": group, "prompt": i, "engine": engine, "tokens": s.tokens, "seconds": s.seconds,

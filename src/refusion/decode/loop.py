@@ -52,7 +52,8 @@ class Decoder:
         text_config = model.config.get_text_config()
         self.compiled = self.setup.compiled  # the model's compiled forward (fixed shapes: `decode.compiled`), or None
         # eager forwards of a supported family skip transformers' per-layer Python (the same bits: `model.compact`)
-        self.compact = compact_forward(model) if self.setup.compact and self.compiled is None else None
+        self.compact = (compact_forward(model, self.setup.compact_forward) if self.setup.compact and self.compiled is None
+                        else None)
         static = None
         if self.compiled is not None:
             capacity, static = static_capacity(capacity), kv_layout(text_config, model.dtype)

@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from refusion.model.fused import FusedProduct, fused_products
+
 COMPACT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 """`config.model_type`s whose decoder layers `CompactForward` runs (pre-norm attention and gated MLP, RoPE)."""
 
@@ -29,7 +31,9 @@ class CompactForward:
     """logits = forward(input_ids, position_ids, attention_mask, cache, logits_to_keep), the decoding forward of a
     supported model over a `SlotCache` (see the module docstring)."""
 
-    def __init__(self, model):
+    def __init__(self, model, fuse: bool = True):
+        """`fuse`: multiply q/k/v and gate/up by one product each where that is exact (`model.fused`); False: each
+        layer on its own (the comparison benchmarks/linear_kernels.py makes)."""
         inner = model.model
         self.embed, self.layers, self.norm, self.rotary = inner.embed_tokens, inner.layers, inner.norm, inner.rotary_emb
         self.lm_head = model.lm_head
@@ -39,6 +43,16 @@ class CompactForward:
         self.rotate = family.apply_rotary_pos_emb
         self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")  # Qwen3
         self.layer_types = getattr(model.config, "layer_types", None)  # which mask each layer takes, when several
+        self.fused = [fused_products(layer) if fuse else {} for layer in self.layers]
+
+    def runs(self, model) -> bool:
+        """Whether this forward still runs `model`'s modules (none was replaced since it was built)."""
+        inner = model.model
+        if (inner.embed_tokens is not self.embed or inner.layers is not self.layers or inner.norm is not self.norm
+                or model.lm_head is not self.lm_head or len(self.layers) != len(self.fused)):
+            return False
+        return all(product.members_of(layer) for layer, fused in zip(self.layers, self.fused)
+                   for product in fused.values())
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask, cache,
                  logits_to_keep: int) -> torch.Tensor:
@@ -51,19 +65,24 @@ class CompactForward:
             hidden = residual + self._attention(layer.self_attn, layer.input_layernorm.forward(hidden),
                                                 position_embeddings, mask, cache, i)
             residual = hidden
-            hidden = residual + self._mlp(layer.mlp, layer.post_attention_layernorm.forward(hidden))
+            hidden = residual + self._mlp(layer.mlp, layer.post_attention_layernorm.forward(hidden),
+                                          self.fused[i].get("mlp"))
         hidden = self.norm.forward(hidden)
         return self.lm_head(hidden[:, -logits_to_keep:, :])  # a module call: its hooks run (the adapter's)
 
     def _attention(self, attn: nn.Module, hidden: torch.Tensor, position_embeddings, mask, cache, index: int):
         input_shape = hidden.shape[:-1]
         hidden_shape = (*input_shape, -1, attn.head_dim)
-        query = attn.q_proj.forward(hidden).view(hidden_shape)
-        key = attn.k_proj.forward(hidden).view(hidden_shape)
+        fused = self.fused[index].get("self_attn")
+        if fused is not None:
+            query, key, value = fused(hidden)
+        else:
+            query, key, value = attn.q_proj.forward(hidden), attn.k_proj.forward(hidden), attn.v_proj.forward(hidden)
+        query, key = query.view(hidden_shape), key.view(hidden_shape)
         if self.qk_norm:
             query, key = attn.q_norm.forward(query), attn.k_norm.forward(key)
         query, key = query.transpose(1, 2), key.transpose(1, 2)
-        value = attn.v_proj.forward(hidden).view(hidden_shape).transpose(1, 2)
+        value = value.view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         query, key = self.rotate(query, key, cos, sin)
         key, value = cache.write(index, key, value)
@@ -72,13 +91,15 @@ class CompactForward:
         return attn.o_proj.forward(out.reshape(*input_shape, -1).contiguous())
 
     @staticmethod
-    def _mlp(mlp: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        return mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(hidden)) * mlp.up_proj.forward(hidden))
+    def _mlp(mlp: nn.Module, hidden: torch.Tensor, fused: FusedProduct | None) -> torch.Tensor:
+        gate, up = fused(hidden) if fused is not None else (mlp.gate_proj.forward(hidden), mlp.up_proj.forward(hidden))
+        return mlp.down_proj.forward(mlp.act_fn(gate) * up)
 
 
-def compact_forward(model) -> CompactForward | None:
+def compact_forward(model, built: CompactForward | None = None) -> CompactForward | None:
     """A `CompactForward` for `model`, or None when it decodes through transformers' forward (see the module
-    docstring): another family, a model in training, or hooks on a sub-layer."""
+    docstring): another family, a model in training, or hooks on a sub-layer. `built`: one made earlier for this
+    model (its setup's, whose fused weights are already built), returned while it still runs the model's modules."""
     config = getattr(model, "config", None)
     if getattr(config, "model_type", None) not in COMPACT_FAMILIES or model.training:
         return None
@@ -93,4 +114,4 @@ def compact_forward(model) -> CompactForward | None:
             continue
         if module._forward_hooks or module._forward_pre_hooks or getattr(module, "_hf_hook", None) is not None:
             return None
-    return CompactForward(model)
+    return built if built is not None and built.runs(model) else CompactForward(model)

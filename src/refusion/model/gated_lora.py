@@ -54,7 +54,12 @@ class MaskGatedLoRA(nn.Module):
         self.mask_rows = mask_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base_layer.forward(x)  # the wrapped layer is this module's own: no hooks to dispatch
+        # the wrapped layer is this module's own: no hooks to dispatch
+        return self.add_update(x, self.base_layer.forward(x))
+
+    def add_update(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Add the update at the mask rows of `x` to `out`, the base layer's output for `x` (or a view of its
+        columns in a larger product: `model.fused`), in place; returns `out`."""
         rows = self.mask_rows.rows
         if self.mask_rows.dense is None or (rows is not None and rows.numel() == 0):
             return out

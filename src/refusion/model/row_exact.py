@@ -63,15 +63,11 @@ class PackedLinear(nn.Linear):
             return self._product(x, self.packed_weight, _compiled_packed_product)
         if x.dtype != torch.bfloat16 or x.device.type != "cpu" or torch.is_grad_enabled() or x.numel() == 0:
             return F.linear(x, self.weight, self.bias)
-        return self._product(x, self._packed(), _packed_product)
+        return self._product(x, self._packed(), packed_product)
 
     def _product(self, x: torch.Tensor, packed: torch.Tensor, product) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        bias = self._parameters["bias"]
-        if flat.shape[0] <= self.exact_rows:
-            out = product(flat, packed, bias)
-        else:
-            out = torch.cat([product(chunk, packed, bias) for chunk in flat.split(self.exact_rows)])
+        out = chunked_product(x.reshape(-1, self.in_features), packed, self._parameters["bias"], self.exact_rows,
+                              product)
         return out.view(*x.shape[:-1], self.out_features)
 
     def _packed(self) -> torch.Tensor:
@@ -90,17 +86,26 @@ def weight_key(weight: torch.Tensor) -> tuple:
     return weight.data_ptr(), None if weight.is_inference() else weight._version
 
 
-def _packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W.T (+ bias) by oneDNN's packed weight."""
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
+def chunked_product(flat: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
+                    product=packed_product) -> torch.Tensor:
+    """flat [M, K] @ W.T (+ bias) by a packed weight, in chunks of at most `rows` rows (a product of up to
+    `exact_rows` rows computes each row as it would be alone)."""
+    if flat.shape[0] <= rows:
+        return product(flat, packed_weight, bias)
+    return torch.cat([product(chunk, packed_weight, bias) for chunk in flat.split(rows)])
+
+
 @torch.library.custom_op("refusion::packed_product", mutates_args=())
 def _compiled_packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`_packed_product` as an operator torch.compile does not look into: a compiled forward calls this very kernel
+    """`packed_product` as an operator torch.compile does not look into: a compiled forward calls this very kernel
     (the compiler's own lowering of it expects weights it froze itself), so its rows stay exact. Eager forwards
     skip it (a custom operator's dispatch costs microseconds per call)."""
-    return _packed_product(x, packed_weight, bias)
+    return packed_product(x, packed_weight, bias)
 
 
 @_compiled_packed_product.register_fake
@@ -130,11 +135,11 @@ def exact_rows(in_features: int, out_features: int, max_rows: int = MAX_EXACT_RO
     weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
     packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
     x = torch.randn(max_rows, in_features, generator=generator).to(torch.bfloat16)
-    alone = torch.cat([_packed_product(x[i:i + 1], packed_weight, None) for i in range(max_rows)])
+    alone = torch.cat([packed_product(x[i:i + 1], packed_weight, None) for i in range(max_rows)])
     if not torch.equal(alone[:1], F.linear(x[:1], weight)):
         return 1
     for rows in range(2, max_rows + 1):
-        if not torch.equal(_packed_product(x[:rows], packed_weight, None), alone[:rows]):
+        if not torch.equal(packed_product(x[:rows], packed_weight, None), alone[:rows]):
             return rows - 1
     return max_rows
 

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     import torch
 
     from refusion.decode.costs import ForwardCosts
+    from refusion.model.compact import CompactForward
 
 LINEAR_KERNELS = ("auto", "plain", "packed", "narrow", "int4")
 """What `prepare(linear=...)` accepts: "auto" chooses by measurement; the others pin the choice ("int4", products by
@@ -99,6 +100,10 @@ class ModelSetup:
     on the same weights without its per-layer Python: the same logits, bit for bit) where it applies; False:
     always through transformers' forward."""
 
+    compact_forward: CompactForward | None = None
+    """The `CompactForward` `prepare` built for the model, whose fused products (`model.fused`) build their weights
+    once: every decoder reuses it while it still runs the model's modules. None: each decoder builds its own."""
+
     compiled: torch.nn.Module | None = None
     """The model's forward through `torch.compile` (`decode.compiled.compile_model`): the decoder then keeps the
     cache's shapes fixed and pads each forward to a width bucket, so a decode reuses a few graphs (CUDA graphs on a
@@ -158,6 +163,7 @@ def prepare(model, tokenizer=None, *, directory: str | Path | None = None, linea
     """
     from refusion.decode.compiled import compile_model
     from refusion.decode.costs import measure
+    from refusion.model.compact import compact_forward
 
     check_linear(linear)
     if not isinstance(compile, bool):
@@ -176,7 +182,8 @@ def prepare(model, tokenizer=None, *, directory: str | Path | None = None, linea
     return attach_setup(model, ModelSetup(
         special_tokens=tokens, kernels=Kernels(linear_kernel, attention, reason), draft_table=table,
         adapter_gate=_adapter_gate_of(model), row_exact=_is_row_exact(model, linear_kernel, attention) and not compile,
-        forward_costs=measure(model), compiled=compile_model(model) if compile else None))
+        forward_costs=measure(model), compiled=compile_model(model) if compile else None,
+        compact_forward=compact_forward(model)))
 
 
 def choose_linear_kernel(model, linear: str, weights_file: str | Path | None = None) -> tuple[str, str]:

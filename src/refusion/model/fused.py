@@ -1,0 +1,189 @@
+"""One product for the linear layers that read the same input: q/k/v of an attention block, gate/up of an MLP.
+
+On the CPU a decoding forward of a small model is a few rows through many small matrices, and each kernel call
+has a fixed cost besides its weights' bytes: a oneDNN call on packed bf16 weights costs ~17 us even for one row,
+so q, k and v of SmolLM2-135M take 55 us as three calls and 21 us as one over their concatenated weights (gate
+and up: 68 against 50 us; the int4 kernel: 22 against 16 us and 46 against 43 us; 2-core AMX Xeon). A
+`FusedProduct` multiplies once by the members' weights stacked along the output features and hands each member
+its columns, with a mask-gated adapter's update added to its own member's columns (`MaskGatedLoRA.add_update`).
+On the embedded model this makes AR decoding ~10 % faster with either kernel (docs/BENCHMARKS.md, Current
+results: *Fused products*).
+
+A product over more output features only gives each member's own bits when the kernel sums every output over
+the input features in the same order whatever the other outputs: true of the packed bf16 and int4 CPU kernels
+measured so far, but a fact of the machine and torch build, so `fusion_is_exact` checks it once per kind and
+shape on random weights, and members fuse only where it holds. The decoding forward that fuses
+(`model.compact`) therefore keeps transformers' logits bit for bit, and every row stays as it would be alone.
+
+Fused weights are built on the first call and follow the members: a packed product is re-packed when a member's
+weight changes (the members drop their own packed copies, which they rebuild if called alone again); the int4
+members' 4-bit weights become row slices of the fused one, stacked from theirs (no second copy; torch packs
+rows in blocks, so this holds where each member's rows fill whole blocks, which the probe checks), and a changed
+weight is refused as `Int4Linear` refuses it. Other kernels (plain fp32 products, weight-major narrow
+ones) are left as they are.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from refusion.model.gated_lora import MaskGatedLoRA
+from refusion.model.int4 import GROUP, Int4Linear
+from refusion.model.row_exact import PackedLinear, chunked_product, exact_rows, weight_key
+
+FUSED_GROUPS = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
+"""Sub-layers of a decoder layer whose linear layers read the same input, by the block that holds them."""
+PROBE_ROWS = (1, 2, 5, 33)
+"""Row counts `fusion_is_exact` compares (33: past the packed kernel's exact chunk of 32 rows)."""
+
+
+def base_of(layer: nn.Module) -> nn.Module:
+    """The linear layer that computes a member's product (a mask-gated adapter's wrapped layer)."""
+    return layer.base_layer if isinstance(layer, MaskGatedLoRA) else layer
+
+
+def kind_of(layer: nn.Module) -> str | None:
+    """"packed" or "int4" for the kernels that fuse, else None."""
+    return {PackedLinear: "packed", Int4Linear: "int4"}.get(type(layer))
+
+
+class FusedProduct:
+    """The products of `members` (linear layers over one input, each maybe wrapped in a `MaskGatedLoRA`) as one
+    kernel call: `fused(x)` returns their outputs in order, views of one tensor."""
+
+    def __init__(self, block: str, members: list[nn.Module], kind: str):
+        self.block = block
+        """The decoder layer's block the members are in (a key of FUSED_GROUPS)."""
+        self.members = members
+        self.bases = [base_of(m) for m in members]
+        self.kind = kind
+        self.in_features = self.bases[0].in_features
+        self.splits = [b.out_features for b in self.bases]
+        self.rows = exact_rows(self.in_features, sum(self.splits)) if kind == "packed" else None
+        self.key: tuple | None = None
+        """The members' weight keys the fused weights were built from."""
+        self.weight: torch.Tensor | None = None
+        self.scales: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+
+    def members_of(self, layer: nn.Module) -> bool:
+        """Whether `layer`'s block still holds these members (none was replaced, by an adapter say)."""
+        block = getattr(layer, self.block, None)
+        return all(getattr(block, name, None) is m for name, m in zip(FUSED_GROUPS[self.block], self.members))
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or torch.is_grad_enabled() or x.numel() == 0:
+            return [m.forward(x) for m in self.members]  # what the members' own forwards fall back to
+        self._follow_members()
+        flat = x.reshape(-1, self.in_features)
+        if self.kind == "packed":
+            out = chunked_product(flat, self.weight, self.bias, self.rows)
+        else:
+            out = torch._weight_int4pack_mm_for_cpu(flat.contiguous(), self.weight, GROUP, self.scales)
+            if self.bias is not None:
+                out = out + self.bias
+        parts = out.view(*x.shape[:-1], out.shape[-1]).split(self.splits, -1)
+        for member, part in zip(self.members, parts):
+            if member is not base_of(member):
+                member.add_update(x, part)
+        return list(parts)
+
+    def _follow_members(self) -> None:
+        weights = [b._parameters["weight"] for b in self.bases]  # the dicts read directly: this runs every call
+        if self.kind == "int4":
+            if any(weight_key(w) != b.int4_key for w, b in zip(weights, self.bases)):
+                raise RuntimeError("a linear layer's weight changed after it was switched to 4-bit blocks "
+                                   "(linear='int4'): load the model again to decode with the new weights")
+            key = tuple(b.int4_key for b in self.bases)
+        else:
+            key = tuple(weight_key(w) for w in weights)
+        if key != self.key:
+            self._build()
+            self.key = key
+
+    def _build(self) -> None:
+        biases = [b._parameters["bias"] for b in self.bases]
+        self.bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
+        if self.kind == "packed":
+            stacked = torch.cat([b._parameters["weight"].detach() for b in self.bases])
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(stacked, None)
+            for base in self.bases:  # the fused copy replaces theirs (rebuilt if a member is called alone)
+                base.packed_weight, base.packed_key = None, None
+            return
+        self.weight = torch.cat([b._buffers["int4_weight"] for b in self.bases])  # packed row by row
+        self.scales = torch.cat([b._buffers["int4_scales"] for b in self.bases], 1).contiguous()
+        start = 0
+        for base, rows in zip(self.bases, self.splits):  # the members read their rows of the fused weight
+            base._buffers["int4_weight"] = self.weight[start:start + rows]
+            start += rows
+
+
+def fuse(block: str, members: list[nn.Module]) -> FusedProduct | None:
+    """A `FusedProduct` of `members` (the linear layers FUSED_GROUPS names in `block`), or None when they cannot share one call: different kernels or inputs, a bias
+    on some only, or a kernel whose fused product is not each member's own bit for bit here (`fusion_is_exact`)."""
+    bases = [base_of(m) for m in members]
+    kinds = {kind_of(b) for b in bases}
+    if len(members) < 2 or len(kinds) != 1 or None in kinds:
+        return None
+    (kind,) = kinds
+    if len({b.in_features for b in bases}) != 1 or len({b.bias is None for b in bases}) != 1:
+        return None
+    if len({(b.weight.device, b.weight.dtype) for b in bases}) != 1:
+        return None
+    shapes = tuple(b.out_features for b in bases)
+    if not fusion_is_exact(kind, bases[0].in_features, shapes, bases[0].bias is not None):
+        return None
+    return FusedProduct(block, members, kind)
+
+
+def fused_products(layer: nn.Module) -> dict[str, FusedProduct]:
+    """{block name: its `FusedProduct`} for the blocks of a decoder layer whose members fuse (`FUSED_GROUPS`)."""
+    fused = {}
+    for block_name, names in FUSED_GROUPS.items():
+        block = getattr(layer, block_name, None)
+        members = [getattr(block, name, None) for name in names]
+        if block is not None and all(isinstance(m, nn.Module) for m in members):
+            product = fuse(block_name, members)
+            if product is not None:
+                fused[block_name] = product
+    return fused
+
+
+@functools.cache
+@torch.no_grad()
+def fusion_is_exact(kind: str, in_features: int, out_features: tuple[int, ...], bias: bool) -> bool:
+    """Whether one `kind` product over weights of these shapes stacked gives, bit for bit, each one's own product,
+    for every row count of PROBE_ROWS (random weights from a generator of its own; probed once per shape)."""
+    generator = torch.Generator().manual_seed(0)
+    total = sum(out_features)
+    biases = torch.randn(total, generator=generator).to(torch.bfloat16) if bias else None
+    x = torch.randn(max(PROBE_ROWS), in_features, generator=generator).to(torch.bfloat16)
+    if kind == "packed":
+        weights = torch.randn(total, in_features, generator=generator).to(torch.bfloat16)
+        fused = torch.ops.mkldnn._reorder_linear_weight(weights, None)
+        alone = [torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None) for w in weights.split(out_features)]
+        rows = [exact_rows(in_features, n) for n in out_features]
+        fused_rows = exact_rows(in_features, total)
+
+        def products(n: int):
+            b = biases.split(out_features) if bias else [None] * len(out_features)
+            own = torch.cat([chunked_product(x[:n], w, bb, r) for w, bb, r in zip(alone, b, rows)], -1)
+            return own, chunked_product(x[:n], fused, biases, fused_rows)
+    elif kind == "int4":
+        q = torch.randint(0, 16, (total, in_features), generator=generator, dtype=torch.int32)
+        scales = torch.rand(in_features // GROUP, total, 2, generator=generator).to(torch.bfloat16)
+        alone = [torch._convert_weight_to_int4pack_for_cpu(part.contiguous(), 1) for part in q.split(out_features)]
+        fused = torch.cat(alone)  # as `FusedProduct` builds it: right only where the packing is row by row
+        own_scales = [part.contiguous() for part in scales.split(out_features, 1)]
+
+        def products(n: int):
+            own = torch.cat([torch._weight_int4pack_mm_for_cpu(x[:n], w, GROUP, s)
+                             for w, s in zip(alone, own_scales)], -1)
+            together = torch._weight_int4pack_mm_for_cpu(x[:n], fused, GROUP, scales)
+            return (own + biases, together + biases) if bias else (own, together)
+    else:
+        return False
+    return all(torch.equal(*products(n)) for n in PROBE_ROWS)

@@ -1,0 +1,131 @@
+"""`model.fused`: q/k/v and gate/up as one product each, every member's own bits, following its weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from refusion.model import fused, int4, row_exact
+from refusion.model.compact import CompactForward, compact_forward
+from refusion.model.gated_lora import MaskGatedLoRA, MaskRows
+from refusion.model.tiny import TINY_MASK_ID, tiny_model
+
+from .test_compact import forwards, transformers_run
+
+KINDS = [pytest.param("packed", marks=pytest.mark.skipif(not row_exact.packing_available(),
+                                                         reason="no AMX packing on this CPU")),
+         pytest.param("int4", marks=pytest.mark.skipif(not int4.int4_available(), reason="no int4 CPU kernel"))]
+
+
+HIDDEN = 128
+"""k and v then have 64 output features: whole blocks of the int4 packing (members of fewer rows do not fuse)."""
+
+
+def model_with(kind: str, family: str = "llama", seed: int = 0):
+    """A tiny bf16 model whose linear layers use `kind` (int4: random 4-bit blocks, the weights set to them)."""
+    model = tiny_model(family, hidden_size=HIDDEN, heads=4, kv_heads=2, dtype=torch.bfloat16, seed=seed,
+                       attn_implementation=row_exact.EXACT_ATTENTION)
+    if kind == "packed":
+        row_exact.use_packed_linears(model)
+        return model
+    generator = torch.Generator().manual_seed(seed)
+    for name, layer in model.named_modules():
+        if type(layer) is nn.Linear and name != "lm_head":
+            n, k = layer.weight.shape
+            blocks = int4.Int4Blocks(torch.randint(0, 16, (n, k), generator=generator, dtype=torch.int32),
+                                     torch.rand(n, k // int4.GROUP, generator=generator) / 50,
+                                     torch.randn(n, k // int4.GROUP, generator=generator) / 10)
+            with torch.no_grad():
+                layer.weight.copy_(blocks.dequantize())
+            int4.switch_to_int4(layer, *int4.pack(blocks))
+    return model
+
+
+def gate_adapters(model, rank: int = 4) -> MaskRows:
+    """Wrap q/k/v and gate/up of every layer in a random mask-gated update (what a shipped adapter does)."""
+    mask_rows = MaskRows(model, TINY_MASK_ID)
+    generator = torch.Generator().manual_seed(7)
+    for layer in model.model.layers:
+        for block_name, names in fused.FUSED_GROUPS.items():
+            block = getattr(layer, block_name)
+            for name in names:
+                base = getattr(block, name)
+                a = torch.randn(rank, base.in_features, generator=generator)
+                b = torch.randn(base.out_features, rank, generator=generator)
+                setattr(block, name, MaskGatedLoRA(base, a, b, 0.5, mask_rows))
+    return mask_rows
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+@torch.no_grad()
+def test_one_product_gives_every_member_its_own_bits(kind, bias):
+    model = model_with(kind, "qwen2" if bias else "llama")  # Qwen2: q/k/v with a bias
+    products = fused.fused_products(model.model.layers[0])
+    assert set(products) == {"self_attn", "mlp"}
+    attention = model.model.layers[0].self_attn
+    for rows in (1, 3, 40):  # 40: past the packed kernel's exact chunk
+        x = torch.randn(1, rows, HIDDEN).to(torch.bfloat16)
+        members = [attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)]
+        for own, together in zip(members, products["self_attn"](x), strict=True):
+            assert torch.equal(own, together)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_compact_forward_fuses_and_keeps_transformers_logits_with_mask_gated_updates(kind):
+    model = model_with(kind, seed=1)
+    gate_adapters(model)
+    compact = compact_forward(model)
+    assert all(set(layer) == {"self_attn", "mlp"} for layer in compact.fused)
+    for ours, theirs in zip(forwards(model, compact), forwards(model, transformers_run(model)), strict=True):
+        assert torch.equal(ours, theirs)  # forwards() holds mask tokens: the updates land in the right columns
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_fused_product_follows_its_members_weights(kind):
+    model = model_with(kind, seed=2)
+    compact = compact_forward(model)
+    forwards(model, compact)  # the fused weights are built
+    q_proj = model.model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        q_proj.weight.mul_(-1)  # written in place: a new version of the same tensor
+    if kind == "int4":  # the 4-bit blocks no longer describe it: refused, as a lone Int4Linear refuses
+        with pytest.raises(RuntimeError, match="load the model again"):
+            forwards(model, compact)
+        return
+    for ours, theirs in zip(forwards(model, compact), forwards(model, transformers_run(model)), strict=True):
+        assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_built_forward_is_reused_until_a_member_is_replaced(kind):
+    model = model_with(kind, seed=3)
+    built = compact_forward(model)
+    assert compact_forward(model, built) is built
+    attention = model.model.layers[1].self_attn
+    attention.v_proj = nn.Linear(HIDDEN, 64, bias=False, dtype=torch.bfloat16)  # e.g. an adapter wrapped it later
+    fresh = compact_forward(model, built)
+    assert isinstance(fresh, CompactForward) and fresh is not built
+    assert "self_attn" not in fresh.fused[1]  # a plain bf16 layer beside packed ones: different kernels
+    for ours, theirs in zip(forwards(model, fresh), forwards(model, transformers_run(model)), strict=True):
+        assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_members_stay_apart_where_one_product_would_round_differently(kind, monkeypatch):
+    model = model_with(kind, seed=4)
+    monkeypatch.setattr(fused, "fusion_is_exact", lambda *args: False)
+    assert fused.fused_products(model.model.layers[0]) == {}
+    assert fused.fuse("mlp", [nn.Linear(HIDDEN, 256), nn.Linear(HIDDEN, 256)]) is None  # fp32 plain layers: no fused kernel
+
+
+def test_prepare_builds_the_forward_every_decoder_reuses(tiny_model_dir):
+    import refusion
+    from refusion.decode.loop import Decoder
+    from refusion.model.setup import setup_of
+
+    model, tokenizer = refusion.load(tiny_model_dir, dtype="bfloat16", device="cpu")
+    setup = setup_of(model)
+    assert isinstance(setup.compact_forward, CompactForward)
+    assert Decoder(model).compact is setup.compact_forward
