@@ -132,3 +132,35 @@ def test_exact_attention_is_eager_attention_computed_exactly():
         shuffled, _ = row_exact.exact_attention(Heads(), query[:, :, row:row + 1], key[:, :, order],
                                                 value[:, :, order], mask[:, :, row:row + 1, order], scaling=0.25)
         assert torch.equal(out[:, row:row + 1], alone) and torch.equal(shuffled, alone), row
+
+
+def test_exact_attention_gives_the_same_bits_over_fp64_entries():
+    """Its decoders keep KV entries in fp64 (`cache_dtype`): the same numbers as converting bf16 ones each time."""
+    torch.manual_seed(1)
+    query = torch.randn(1, 4, 3, 16).to(torch.bfloat16)
+    key, value = (torch.randn(1, 2, 25, 16).to(torch.bfloat16) for _ in range(2))
+    mask = torch.zeros(1, 1, 3, 25, dtype=torch.bfloat16)
+    mask[..., 20:] = torch.finfo(torch.bfloat16).min
+    out, _ = row_exact.exact_attention(Heads(), query, key, value, mask, scaling=0.25)
+    wide, _ = row_exact.exact_attention(Heads(), query, key.double(), value.double(), mask, scaling=0.25)
+    assert wide.dtype == torch.bfloat16 and torch.equal(out, wide)
+
+
+@pytest.mark.parametrize("strategy", ["autoregressive", "speculative", "refusion"])
+def test_decoders_keep_fp64_entries_for_exact_attention_and_decode_the_same_tokens(strategy, monkeypatch):
+    from refusion.decode import loop
+
+    model = tiny_model("qwen3", hidden_size=64, dtype=torch.bfloat16, attn_implementation=row_exact.EXACT_ATTENTION)
+    use_packed_linears(model)
+    assert row_exact.cache_dtype(model) == torch.float64
+    assert row_exact.cache_dtype(tiny_model("qwen3", dtype=torch.bfloat16, attn_implementation="eager")) is None
+    decoder = loop.Decoder(model)
+    assert decoder.cache.kv_dtype == torch.float64
+    cfg = refusion.DecodeConfig(max_new_tokens=24, strategy="refusion", slot_size=2, block_size=8, draft_length=2,
+                                eos_token_id=2).for_strategy(strategy)
+    prompts = [[1, 5, 7, 9], [9, 12, 13]]
+    wide = refusion.generate(model, prompts, cfg)
+    monkeypatch.setattr(loop, "cache_dtype", lambda model: None)  # entries in the dtype the layers write
+    assert loop.Decoder(model).cache.kv_dtype is None
+    narrow = refusion.generate(model, prompts, cfg)
+    assert wide.sequences == narrow.sequences and wide.stats.batch.forwards == narrow.stats.batch.forwards

@@ -117,11 +117,14 @@ class SlotCache:
 
     def __init__(self, num_layers: int, device: torch.device, capacity: int = 256, mask_dtype: torch.dtype | None = None,
                  windows: dict[str, int | None] | None = None, static: tuple[int, int, torch.dtype] | None = None,
-                 check_invariants: bool | None = None):
+                 check_invariants: bool | None = None, kv_dtype: torch.dtype | None = None):
         """static: (kv heads, head dim, dtype) for fixed shapes (see the module docstring); None: slices that grow.
-        check_invariants: check the invariant on every commit; None: on the CPU, or where REFUSION_CHECK_CACHE=1."""
+        check_invariants: check the invariant on every commit; None: on the CPU, or where REFUSION_CHECK_CACHE=1.
+        kv_dtype: the dtype entries are kept in (each written value converted once); None: the one the layers write
+        (`row_exact.cache_dtype` says when another pays)."""
         self.num_layers = num_layers
         self.static = static
+        self.kv_dtype = kv_dtype
         self.check_invariants = checks_by_default(device) if check_invariants is None else check_invariants
         # {layer type: sliding window or None}: one entry -> one mask for every layer, several -> a dict of masks
         self.windows = windows or {"full_attention": None}
@@ -273,8 +276,8 @@ class SlotCache:
             return self.keys[layer], self.values[layer]
         if self.keys[layer] is None:
             shape = (self.batch_size, key.shape[1], self.capacity, key.shape[3])
-            self.keys[layer] = key.new_zeros(shape)
-            self.values[layer] = value.new_zeros(shape[:3] + (value.shape[3],))
+            self.keys[layer] = key.new_zeros(shape, dtype=self.kv_dtype or key.dtype)
+            self.values[layer] = value.new_zeros(shape[:3] + (value.shape[3],), dtype=self.kv_dtype or value.dtype)
         end = self.used + key.shape[2]
         self.keys[layer][:, :, self.used:end] = key
         self.values[layer][:, :, self.used:end] = value

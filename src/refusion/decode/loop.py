@@ -24,6 +24,7 @@ from refusion.decode.outputs import BatchStats, GenerationOutput, GenerationStat
 from refusion.decode.programs import start_program
 from refusion.decode.sequence import Forward, Program, Sequence
 from refusion.model.compact import compact_forward
+from refusion.model.row_exact import cache_dtype
 from refusion.model.setup import ModelSetup, check_promise, setup_of
 
 
@@ -58,7 +59,8 @@ class Decoder:
         if self.compiled is not None:
             capacity, static = static_capacity(capacity), kv_layout(text_config, model.dtype)
         self.cache = SlotCache(text_config.num_hidden_layers, self.device, capacity, mask_dtype,
-                               attention_windows(text_config), static=static)
+                               attention_windows(text_config), static=static,
+                               kv_dtype=None if static else cache_dtype(model))
         self.live: dict[int, Running] = {}
         self.stats = BatchStats()
         self._next_id = 0

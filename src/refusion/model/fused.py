@@ -63,10 +63,14 @@ class FusedProduct:
         self.in_features = self.bases[0].in_features
         self.splits = [b.out_features for b in self.bases]
         self.rows = exact_rows(self.in_features, sum(self.splits)) if kind == "packed" else None
-        self.key: tuple | None = None
-        """The members' weight keys the fused weights were built from."""
+        self.wrapped = [(i, m) for i, m in enumerate(members) if m is not self.bases[i]]
+        """(position, member) of the members whose mask-gated update is added to their columns."""
+        self.key: list | None = None
+        """The members' weight keys the fused weights were built from (`_keys`)."""
         self.weight: torch.Tensor | None = None
+        """The stacked weights as the kernel takes them (oneDNN-packed bf16, or 4-bit blocks)."""
         self.scales: torch.Tensor | None = None
+        """int4: the blocks' scales and zeros, stacked."""
         self.bias: torch.Tensor | None = None
 
     def members_of(self, layer: nn.Module) -> bool:
@@ -77,7 +81,8 @@ class FusedProduct:
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if x.dtype != torch.bfloat16 or x.device.type != "cpu" or torch.is_grad_enabled() or x.numel() == 0:
             return [m.forward(x) for m in self.members]  # what the members' own forwards fall back to
-        self._follow_members()
+        if self._keys() != self.key:
+            self._build()
         flat = x.reshape(-1, self.in_features)
         if self.kind == "packed":
             out = chunked_product(flat, self.weight, self.bias, self.rows)
@@ -86,25 +91,21 @@ class FusedProduct:
             if self.bias is not None:
                 out = out + self.bias
         parts = out.view(*x.shape[:-1], out.shape[-1]).split(self.splits, -1)
-        for member, part in zip(self.members, parts):
-            if member is not base_of(member):
-                member.add_update(x, part)
-        return list(parts)
+        for i, member in self.wrapped:
+            member.add_update(x, parts[i])
+        return parts
 
-    def _follow_members(self) -> None:
-        weights = [b._parameters["weight"] for b in self.bases]  # the dicts read directly: this runs every call
-        if self.kind == "int4":
-            if any(weight_key(w) != b.int4_key for w, b in zip(weights, self.bases)):
-                raise RuntimeError("a linear layer's weight changed after it was switched to 4-bit blocks "
-                                   "(linear='int4'): load the model again to decode with the new weights")
-            key = tuple(b.int4_key for b in self.bases)
-        else:
-            key = tuple(weight_key(w) for w in weights)
-        if key != self.key:
-            self._build()
-            self.key = key
+    def _keys(self) -> list:
+        """What the fused weights must be rebuilt for: the members' weight keys (packed) or the keys their 4-bit
+        blocks were switched for (int4; a member whose weight changed since is refused)."""
+        weights = [weight_key(b._parameters["weight"]) for b in self.bases]  # the dicts read directly: every call
+        if self.kind == "int4" and weights != [b.int4_key for b in self.bases]:
+            raise RuntimeError("a linear layer's weight changed after it was switched to 4-bit blocks "
+                               "(linear='int4'): load the model again to decode with the new weights")
+        return weights
 
     def _build(self) -> None:
+        self.key = self._keys()
         biases = [b._parameters["bias"] for b in self.bases]
         self.bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
         if self.kind == "packed":
@@ -122,8 +123,9 @@ class FusedProduct:
 
 
 def fuse(block: str, members: list[nn.Module]) -> FusedProduct | None:
-    """A `FusedProduct` of `members` (the linear layers FUSED_GROUPS names in `block`), or None when they cannot share one call: different kernels or inputs, a bias
-    on some only, or a kernel whose fused product is not each member's own bit for bit here (`fusion_is_exact`)."""
+    """A `FusedProduct` of `members` (the linear layers FUSED_GROUPS names in `block`), or None when they cannot
+    share one call: different kernels or inputs, a bias on some only, or a kernel whose fused product is not each
+    member's own bit for bit here (`fusion_is_exact`)."""
     bases = [base_of(m) for m in members]
     kinds = {kind_of(b) for b in bases}
     if len(members) < 2 or len(kinds) != 1 or None in kinds:

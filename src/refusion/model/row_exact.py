@@ -192,5 +192,18 @@ def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     return out.transpose(1, 2).contiguous(), weights
 
 
+def cache_dtype(model) -> torch.dtype | None:
+    """The dtype a decoder's KV cache keeps entries in for `model`: fp64 where its attention is `exact_attention`
+    (which sums in fp64: entries kept in fp64, each bf16 value exactly, spare every layer of every forward a
+    conversion of the whole context, 0.5-1 ms of a 17 ms one-token forward of SmolLM2-135M on a 2-core Xeon with
+    200-600 entries; they take 4x the memory of bf16 ones), else None (the dtype the layers write)."""
+    config = model.config
+    if getattr(config, "_attn_implementation", None) != EXACT_ATTENTION:
+        return None
+    if getattr(config.get_text_config(), "attn_logit_softcapping", None):  # its own eager attention: no fp64
+        return None
+    return torch.float64
+
+
 AttentionInterface.register(EXACT_ATTENTION, exact_attention)
 AttentionMaskInterface.register(EXACT_ATTENTION, eager_mask)  # additive masks, as eager attention takes them
