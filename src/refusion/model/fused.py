@@ -1,13 +1,11 @@
 """One product for the linear layers that read the same input: q/k/v of an attention block, gate/up of an MLP.
 
 On the CPU a decoding forward of a small model is a few rows through many small matrices, and each kernel call
-has a fixed cost besides its weights' bytes: a oneDNN call on packed bf16 weights costs ~17 us even for one row,
-so q, k and v of SmolLM2-135M take 55 us as three calls and 21 us as one over their concatenated weights (gate
-and up: 68 against 50 us; the int4 kernel: 22 against 16 us and 46 against 43 us; 2-core AMX Xeon). A
-`FusedProduct` multiplies once by the members' weights stacked along the output features and hands each member
-its columns, with a mask-gated adapter's update added to its own member's columns (`MaskGatedLoRA.add_update`).
-On the embedded model this makes AR decoding ~10 % faster with either kernel (docs/BENCHMARKS.md, Current
-results: *Fused products*).
+has a fixed cost besides its weights' bytes (tens of microseconds for a oneDNN call on packed bf16 weights, even
+for one row). A `FusedProduct` multiplies once by the members' weights stacked along the output features and
+hands each member its columns, with a mask-gated adapter's update added to its own member's columns
+(`MaskGatedLoRA.add_update`). Measured: docs/BENCHMARKS.md, Current results: *Fused products* (the kernel
+calls themselves: the journal, "Fused products, fp64 KV entries, llama.cpp again").
 
 A product over more output features only gives each member's own bits when the kernel sums every output over
 the input features in the same order whatever the other outputs: true of the packed bf16 and int4 CPU kernels

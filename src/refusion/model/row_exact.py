@@ -195,8 +195,9 @@ def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
 def cache_dtype(model) -> torch.dtype | None:
     """The dtype a decoder's KV cache keeps entries in for `model`: fp64 where its attention is `exact_attention`
     (which sums in fp64: entries kept in fp64, each bf16 value exactly, spare every layer of every forward a
-    conversion of the whole context, 0.5-1 ms of a 17 ms one-token forward of SmolLM2-135M on a 2-core Xeon with
-    200-600 entries; they take 4x the memory of bf16 ones), else None (the dtype the layers write)."""
+    conversion of the whole context; they take 4x the memory of bf16 ones; measured in docs/archive/
+    BENCHMARKS-JOURNAL.md, "Fused products, fp64 KV entries, llama.cpp again"), else None (the dtype the layers
+    write)."""
     config = model.config
     if getattr(config, "_attn_implementation", None) != EXACT_ATTENTION:
         return None
