@@ -3,9 +3,8 @@
 For every prompt, back to back (so machine noise hits every engine alike): refusion's AR decoding and exact
 mode (the embedded model's preset; "exact_every_draft" the same without the cost-aware cut of its drafts,
 `decode.costs`; "ar_transformers" and "exact_transformers" through transformers' forward instead of
-`model.compact`; "ar_unfused" and "exact_unfused" without its fused products, `model.fused`;
-"exact_prefill_costs" with forward costs timed without a cache, `prefill_costs`; `--modes` chooses) with each
-linear kernel (`--kernels`, default the auto choice and "int4", the GGUF's 4-bit blocks), then llama.cpp's plain greedy decoding of the base GGUF (`--llama-cpp DIR` holding a
+`model.compact`; "ar_unfused" and "exact_unfused" without its fused products, `model.fused`; `--modes` chooses) with each linear kernel (`--kernels`, default the auto choice and "int4", the
+GGUF's 4-bit blocks), then llama.cpp's plain greedy decoding of the base GGUF (`--llama-cpp DIR` holding a
 `llama-completion` binary; skipped without it). Reported per engine and prompt group: tokens, seconds, tokens/s
 (refusion: prefill included; llama.cpp: prompt evaluation included, and decode alone), the ratio to the first
 kernel's AR decoding, how many outputs equal that kernel's AR decoding (the exact mode's promise) and how many
@@ -35,7 +34,6 @@ import argparse
 import json
 import platform
 import re
-import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -43,7 +41,6 @@ from pathlib import Path
 import torch
 
 from refusion.config import layered_config
-from refusion.decode.costs import PROBE_REPEATS, PROBE_WIDTHS, ForwardCosts
 from refusion.decode.loop import generate
 from refusion.eval.tasks import load_examples
 from refusion.model.compact import CompactForward
@@ -60,33 +57,9 @@ MODES = {
     "exact_transformers": lambda setup, model: setup.replace(compact=False),
     "ar_unfused": lambda setup, model: setup.replace(compact_forward=CompactForward(model, fuse=False)),
     "exact_unfused": lambda setup, model: setup.replace(compact_forward=CompactForward(model, fuse=False)),
-    "exact_prefill_costs": lambda setup, model: setup.replace(forward_costs=prefill_costs(model)),
 }
 """Engines per kernel: the decoding mode (AR or the embedded preset's exact mode) and what the setup changes
-("unfused": q/k/v and gate/up multiplied one layer at a time, `model.fused`; "prefill_costs": the draft count cut
-by forward costs timed as before they were timed on decoding forwards, `prefill_costs`)."""
-
-
-@torch.inference_mode()
-def prefill_costs(model) -> ForwardCosts:
-    """Forward costs timed the way `decode.costs.measure` timed them before it timed decoding forwards: batch-1
-    forwards of each width through transformers' forward, no cache (one untimed round, then the median)."""
-    def forward(width: int) -> float:
-        ids = torch.arange(width)[None]
-        start = time.perf_counter()
-        model(input_ids=ids, position_ids=ids, use_cache=False)
-        return time.perf_counter() - start
-
-    for w in PROBE_WIDTHS:
-        forward(w)
-    times = {w: [] for w in PROBE_WIDTHS}
-    for _ in range(PROBE_REPEATS):
-        for w in PROBE_WIDTHS:
-            times[w].append(forward(w))
-    seconds = [statistics.median(times[w]) for w in PROBE_WIDTHS]
-    for i in range(1, len(seconds)):
-        seconds[i] = max(seconds[i], seconds[i - 1])
-    return ForwardCosts(PROBE_WIDTHS, tuple(seconds))
+("unfused": q/k/v and gate/up multiplied one layer at a time, `model.fused`)."""
 
 PROMPT_GROUPS = {"gsm8k": ("gsm8k", 400), "arc": ("arc_challenge", 300), "mbpp": ("mbpp", 300)}
 """Task prompt groups: (evaluation task, examples skipped): past every tuning prompt (docs/BENCHMARKS.md)."""
@@ -195,10 +168,7 @@ def main() -> None:
         for engine, entry in per_engine.items():
             print(f"  {engine:12s} {entry['tokens_per_second']:7.1f} tok/s  x{entry['vs_first_ar']:.2f}  "
                   + "  ".join(f"{k} {v}" for k, v in entry.items() if k.startswith(("identical", "decode"))))
-    costs = {f"{kernel}/{mode}": setup.forward_costs.describe() for (kernel, mode), setup in setups.items()
-             if mode.startswith("exact") and setup.forward_costs is not None}
     print(json.dumps({"benchmark": "linear_kernels", "kernels": {k: setup_of(m).describe() for k, (m, _) in models.items()},
-                      "forward_costs": costs,
                       "max_new_tokens": args.max_new_tokens, "per_group": args.per_group,
                       "threads": torch.get_num_threads(), "llama_cpp_threads": args.threads if binary else None,
                       "torch": torch.__version__, "machine": platform.machine(), "summary": summary,

@@ -6,8 +6,8 @@ cost about the same for 1 and 16 rows, the int4 kernel computes row by row (a 16
 model costs ~2x a one-row one), and a GPU should pay little for it (not measured yet). So the number of drafts
 a round verifies is chosen from two measurements:
 
-* `ForwardCosts`: seconds of a batch-1 forward of each width, timed once on the loaded model through the
-  decoder's own forward over a cached context (`measure`, called by `refusion.prepare`);
+* `ForwardCosts`: seconds of a batch-1 forward of each width, timed once on the loaded model (`measure`,
+  called by `refusion.prepare`);
 * `AcceptanceByDepth`: per sequence and draft source, how often a draft at depth i was accepted once the drafts
   before it were (a Beta(1, 1) prior: 1/2 before anything is seen).
 
@@ -35,10 +35,6 @@ PROBE_WIDTHS = (1, 4, 8, 16, 32)
 """Forward widths `measure` times; other widths are interpolated (linearly, and beyond the last one extrapolated)."""
 PROBE_REPEATS = 2
 """Timed forwards per width, after one untimed round (the median counts)."""
-PROBE_CONTEXT = 200
-"""Cached tokens the timed forwards attend to: a decoding forward reads its context (attention and the masks grow
-with the width times the context), and timing forwards without one made width look cheaper than decoding pays
-for it (docs/BENCHMARKS.md, Current results: *Forward costs from decoding forwards*)."""
 MAX_PROBE_SECONDS = 0.25
 """A model whose one-token forward takes longer than this is not probed (its forwards are bound by reading the
 weights, so width is nearly free: no cut)."""
@@ -67,42 +63,22 @@ class ForwardCosts:
 
 
 @torch.inference_mode()
-def measure(model, widths: tuple[int, ...] = PROBE_WIDTHS, repeats: int = PROBE_REPEATS, *, setup=None,
-            context: int = PROBE_CONTEXT) -> ForwardCosts | None:
-    """Time batch-1 decoding forwards of `widths` new tokens over `context` cached tokens, through the decoder's own
-    forward (`Decoder`: the compact forward, the KV cache and its masks, logits for every new token, as the exact
-    mode's verification has them) with `setup` (None: `setup_of(model)`; a compiled forward is timed eager);
-    None when a one-token forward takes longer than MAX_PROBE_SECONDS. After an untimed round (kernels pick their
-    code for each shape on first use), widths are timed in turn, `repeats` rounds, so that a drift of the machine
-    touches them all alike."""
-    from refusion.decode.loop import Decoder
-    from refusion.decode.sequence import Forward
-    from refusion.model.setup import setup_of
-
-    setup = (setup or setup_of(model)).replace(compiled=None)
-    decoder = Decoder(model, capacity=context + max(widths), setup=setup)
-    device, vocab = decoder.device, model.get_input_embeddings().num_embeddings
-    decoder.cache.add_sequence(0)
-
-    def run(start: int, width: int) -> float:
-        positions = torch.arange(start, start + width, device=device)
-        request = Forward(positions.remainder(vocab), positions, torch.zeros_like(positions))
-        begin = time.perf_counter()
-        decoder._forward([request])
+def measure(model, widths: tuple[int, ...] = PROBE_WIDTHS, repeats: int = PROBE_REPEATS) -> ForwardCosts | None:
+    """Time batch-1 forwards of `widths` tokens (no cache) on the model as loaded; None when one forward takes
+    longer than MAX_PROBE_SECONDS. After an untimed round (kernels pick their code for each shape on first use),
+    widths are timed in turn, `repeats` rounds, so that a drift of the machine touches them all alike."""
+    device = next(model.parameters()).device
+    vocab = model.get_input_embeddings().num_embeddings
+    def forward(width: int) -> float:  # logits of every row, as a decoding forward of drafts has
+        ids = torch.arange(width, device=device).remainder(vocab)[None]
+        start = time.perf_counter()
+        model(input_ids=ids, position_ids=torch.arange(width, device=device)[None], use_cache=False)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return time.perf_counter() - begin
+        return time.perf_counter() - start
 
-    def forward(width: int) -> float:  # new tokens after the context, then dropped again
-        seconds = run(decoder.cache.committed[0], width)
-        decoder.cache.discard(0)
-        return seconds
-
-    if forward(1) > MAX_PROBE_SECONDS:  # alone, before any context is paid for
+    if forward(1) > MAX_PROBE_SECONDS:
         return None
-    if context:
-        run(0, context)
-        decoder.cache.commit(0, torch.arange(context, device=device))
     for w in widths:
         forward(w)
     times = {w: [] for w in widths}

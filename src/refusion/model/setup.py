@@ -179,11 +179,11 @@ def prepare(model, tokenizer=None, *, directory: str | Path | None = None, linea
     if tokens.eos_token_ids:  # transformers' own `generate` (and a saved copy) stops where refusion does
         eos = tokens.eos_token_ids
         model.generation_config.eos_token_id = eos[0] if len(eos) == 1 else list(eos)
-    setup = ModelSetup(
+    return attach_setup(model, ModelSetup(
         special_tokens=tokens, kernels=Kernels(linear_kernel, attention, reason), draft_table=table,
         adapter_gate=_adapter_gate_of(model), row_exact=_is_row_exact(model, linear_kernel, attention) and not compile,
-        compiled=compile_model(model) if compile else None, compact_forward=compact_forward(model))
-    return attach_setup(model, setup.replace(forward_costs=measure(model, setup=setup)))
+        forward_costs=measure(model), compiled=compile_model(model) if compile else None,
+        compact_forward=compact_forward(model)))
 
 
 def choose_linear_kernel(model, linear: str, weights_file: str | Path | None = None) -> tuple[str, str]:
