@@ -76,9 +76,9 @@ class FusedProduct:
         block = getattr(layer, self.block, None)
         return all(getattr(block, name, None) is m for name, m in zip(FUSED_GROUPS[self.block], self.members))
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if x.dtype != torch.bfloat16 or x.device.type != "cpu" or torch.is_grad_enabled() or x.numel() == 0:
-            return [m.forward(x) for m in self.members]  # what the members' own forwards fall back to
+            return tuple(m.forward(x) for m in self.members)  # what the members' own forwards fall back to
         if self._keys() != self.key:
             self._build()
         flat = x.reshape(-1, self.in_features)
