@@ -94,32 +94,38 @@ SPLITS = {"open-ended": "train", "open-ended-test": "test", "open-ended-extra": 
 """The `generate --input` names of the two parts and of the extra requests."""
 
 
-def _requests(data_dir: str | Path | None) -> list[tuple[str, str]]:
-    """(kind, request) of the whole set, in composition order."""
+def _compose(concepts, subjects, activities, texts: slice, data_dir: str | Path | None) -> list[tuple[str, str]]:
+    """(kind, request) of the templates over these topics, then rewrites of the GSM8K train questions `texts`
+    (a slice of the file's lines), in composition order."""
     from refusion.data import builtin_train_file
 
-    requests = [("explain", t.format(c)) for t, c in itertools.product(EXPLAIN, CONCEPTS)]
-    requests += [("story", t.format(s)) for t, s in itertools.product(STORY, SUBJECTS)]
-    requests += [("how-to", t.format(a)) for t, a in itertools.product(HOW_TO, ACTIVITIES)]
+    requests = [("explain", t.format(c)) for t, c in itertools.product(EXPLAIN, concepts)]
+    requests += [("story", t.format(s)) for t, s in itertools.product(STORY, subjects)]
+    requests += [("how-to", t.format(a)) for t, a in itertools.product(HOW_TO, activities)]
     with open(builtin_train_file("gsm8k", data_dir), encoding="utf-8") as f:
-        texts = [json.loads(line)["question"].strip() for line in itertools.islice(f, REWRITTEN_TEXTS)]
-    requests += [("rewrite", t.format(text)) for t, text in itertools.product(REWRITE, texts)]
+        lines = itertools.islice(f, texts.start, texts.stop)
+        questions = [json.loads(line)["question"].strip() for line in lines]
+    requests += [("rewrite", t.format(text)) for t, text in itertools.product(REWRITE, questions)]
     return requests
+
+
+def _requests(data_dir: str | Path | None) -> list[tuple[str, str]]:
+    """(kind, request) of the whole set, in composition order."""
+    return _compose(CONCEPTS, SUBJECTS, ACTIVITIES, slice(0, REWRITTEN_TEXTS), data_dir)
 
 
 def _extra_requests(data_dir: str | Path | None) -> list[tuple[str, str]]:
     """(kind, request) of the extra requests: the same templates over topics the set does not use, and rewrites
     of the next GSM8K train questions."""
-    from refusion.data import builtin_train_file
+    return _compose(EXTRA_CONCEPTS, EXTRA_SUBJECTS, EXTRA_ACTIVITIES,
+                    slice(REWRITTEN_TEXTS, REWRITTEN_TEXTS + EXTRA_REWRITTEN_TEXTS), data_dir)
 
-    requests = [("explain", t.format(c)) for t, c in itertools.product(EXPLAIN, EXTRA_CONCEPTS)]
-    requests += [("story", t.format(s)) for t, s in itertools.product(STORY, EXTRA_SUBJECTS)]
-    requests += [("how-to", t.format(a)) for t, a in itertools.product(HOW_TO, EXTRA_ACTIVITIES)]
-    with open(builtin_train_file("gsm8k", data_dir), encoding="utf-8") as f:
-        lines = itertools.islice(f, REWRITTEN_TEXTS, REWRITTEN_TEXTS + EXTRA_REWRITTEN_TEXTS)
-        texts = [json.loads(line)["question"].strip() for line in lines]
-    requests += [("rewrite", t.format(text)) for t, text in itertools.product(REWRITE, texts)]
-    return requests
+
+def _fixed_order(n: int) -> list[int]:
+    """0..n-1 in the fixed shuffle (SEED): the same on every machine."""
+    order = list(range(n))
+    random.Random(SEED).shuffle(order)
+    return order
 
 
 def open_ended_prompts(split: str, data_dir: str | Path | None = None) -> list[tuple[str, str]]:
@@ -129,13 +135,10 @@ def open_ended_prompts(split: str, data_dir: str | Path | None = None) -> list[t
     "open-ended-extra:<kind>:<index>"."""
     if split == "extra":
         requests = _extra_requests(data_dir)
-        order = list(range(len(requests)))
-        random.Random(SEED).shuffle(order)
-        return [(f"open-ended-extra:{requests[i][0]}:{i}", requests[i][1]) for i in order]
+        return [(f"open-ended-extra:{requests[i][0]}:{i}", requests[i][1]) for i in _fixed_order(len(requests))]
     if split not in ("train", "test"):
         raise ValueError(f"split={split!r} is invalid: must be 'train', 'test' or 'extra'")
     requests = _requests(data_dir)
-    order = list(range(len(requests)))
-    random.Random(SEED).shuffle(order)
+    order = _fixed_order(len(requests))
     chosen = [i for rank, i in enumerate(order) if (rank % HELD_OUT_EVERY == 0) == (split == "test")]
     return [(f"open-ended:{requests[i][0]}:{i}", requests[i][1]) for i in chosen]
