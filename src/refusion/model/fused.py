@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from refusion.model.gated_lora import MaskGatedLoRA
-from refusion.model.int4 import GROUP, Int4Linear
+from refusion.model.int4 import GROUP, STALE_BLOCKS, Int4Linear
 from refusion.model.row_exact import PackedLinear, chunked_product, exact_rows, weight_key
 
 FUSED_GROUPS = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
@@ -79,8 +79,9 @@ class FusedProduct:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if x.dtype != torch.bfloat16 or x.device.type != "cpu" or torch.is_grad_enabled() or x.numel() == 0:
             return tuple(m.forward(x) for m in self.members)  # what the members' own forwards fall back to
-        if self._keys() != self.key:
-            self._build()
+        keys = self._keys()
+        if keys != self.key:
+            self._build(keys)
         flat = x.reshape(-1, self.in_features)
         if self.kind == "packed":
             out = chunked_product(flat, self.weight, self.bias, self.rows)
@@ -98,12 +99,11 @@ class FusedProduct:
         blocks were switched for (int4; a member whose weight changed since is refused)."""
         weights = [weight_key(b._parameters["weight"]) for b in self.bases]  # the dicts read directly: every call
         if self.kind == "int4" and weights != [b.int4_key for b in self.bases]:
-            raise RuntimeError("a linear layer's weight changed after it was switched to 4-bit blocks "
-                               "(linear='int4'): load the model again to decode with the new weights")
+            raise RuntimeError(STALE_BLOCKS)
         return weights
 
-    def _build(self) -> None:
-        self.key = self._keys()
+    def _build(self, keys: list) -> None:
+        self.key = keys
         biases = [b._parameters["bias"] for b in self.bases]
         self.bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
         if self.kind == "packed":

@@ -46,6 +46,11 @@ MAX_WEIGHT_ERROR = 2.0**-7
 in the row (rounding the dequantized weight to bf16 moves each value by at most 2^-8 of it)."""
 
 
+STALE_BLOCKS = ("a linear layer's weight changed after it was switched to 4-bit blocks (linear='int4'): load the "
+                "model again to decode with the new weights")
+"""The error of a product by blocks that no longer describe the layer's weight (`Int4Linear`, `model.fused`)."""
+
+
 @dataclass(frozen=True)
 class Int4Blocks:
     """One weight matrix as 4-bit blocks: w[n, k] = (q[n, k] - 8) * scale[n, k // GROUP] + zero[n, k // GROUP]."""
@@ -74,8 +79,7 @@ class Int4Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         # the module's dicts read directly: nn.Module's attribute lookup costs microseconds, 210 times a forward
         if weight_key(self._parameters["weight"]) != self.int4_key:
-            raise RuntimeError("a linear layer's weight changed after it was switched to 4-bit blocks "
-                               "(linear='int4'): load the model again to decode with the new weights")
+            raise RuntimeError(STALE_BLOCKS)
         flat = x.reshape(-1, self.in_features).contiguous()  # the kernel reads rows in place
         buffers = self._buffers
         out = torch._weight_int4pack_mm_for_cpu(flat, buffers["int4_weight"], GROUP, buffers["int4_scales"])
