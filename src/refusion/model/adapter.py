@@ -166,13 +166,15 @@ def export_adapter(source: str | Path, target: str | Path, *, dtype: str = "bflo
         raise ValueError(f"{target} exists and is not empty; pass overwrite=True (--overwrite) to replace it")
     # peft also saves whole embedding matrices when the vocabulary grew (<|mask|>): the base has them, and the
     # mask row travels in trainable_tokens_delta, so they are left out of the shipped copy
-    tensors = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in load_file(weights).items()
-               if not k.endswith("token_adapter.base_layer.weight")}
+    def cast(tensors: dict) -> dict:
+        return {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in tensors.items()}
+
+    tensors = cast({k: v for k, v in load_file(weights).items() if not k.endswith("token_adapter.base_layer.weight")})
     config = json.loads((source / ADAPTER_CONFIG).read_text())
     config.update(base_model_name_or_path=adapter_base(source), inference_mode=True)
-    if rank is not None:
+    if rank is not None:  # the cut of the cast updates, cast again (its factors come out in fp32)
         tensors, config = truncate_rank(tensors, config, rank)
-        tensors = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in tensors.items()}
+        tensors = cast(tensors)
     target.mkdir(parents=True, exist_ok=True)
     save_file(tensors, target / "adapter_model.safetensors", metadata={"format": "pt"})
     os.chmod(target / "adapter_model.safetensors", 0o644)  # package data: readable by every user
