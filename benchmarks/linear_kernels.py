@@ -100,6 +100,9 @@ def main() -> None:
     parser.add_argument("--llama-cpp", default=None, metavar="DIR", help="a llama.cpp build's bin directory")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="llama.cpp's threads")
     args = parser.parse_args()
+    unknown = set(args.modes.split(",")) - set(MODES)
+    if unknown:
+        parser.error(f"--modes: unknown {', '.join(sorted(unknown))} (choose from {', '.join(MODES)})")
 
     kernels = args.kernels.split(",")
     models = {kernel: load(linear=kernel) for kernel in kernels}
