@@ -275,13 +275,32 @@ class SlotCache:
             self.values[layer].index_copy_(2, self._columns, value)
             return self.keys[layer], self.values[layer]
         if self.keys[layer] is None:
-            shape = (self.batch_size, key.shape[1], self.capacity, key.shape[3])
-            self.keys[layer] = key.new_zeros(shape, dtype=self.kv_dtype or key.dtype)
-            self.values[layer] = value.new_zeros(shape[:3] + (value.shape[3],), dtype=self.kv_dtype or value.dtype)
+            self._allocate(layer, key.shape[1], key.shape[3], value.shape[3], key.dtype)
         end = self.used + key.shape[2]
         self.keys[layer][:, :, self.used:end] = key
         self.values[layer][:, :, self.used:end] = value
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def native_storage(self, kv_heads: int, head_dim: int,
+                       dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor], int] | None:
+        """(keys, values, start) for a forward that writes its KV entries itself, as `write` would (the native
+        decoder layers, `model.native`): layer i's entries for the forward's T new tokens go to
+        keys[i][:, :, start:start + T] (values alike) and the layer attends over [:, :, :start + T]. Storage not
+        allocated yet is allocated as `write` allocates it (layers writing `dtype` entries). None for a static
+        cache (its reserved columns are an index, not a slice)."""
+        if self.static:
+            return None
+        for layer in range(self.num_layers):
+            if self.keys[layer] is None:
+                self._allocate(layer, kv_heads, head_dim, head_dim, dtype)
+        return self.keys, self.values, self.used
+
+    def _allocate(self, layer: int, kv_heads: int, key_dim: int, value_dim: int, dtype: torch.dtype) -> None:
+        """Zeroed storage for a layer's keys and values, in `kv_dtype` (else the dtype the layer writes)."""
+        shape = (self.batch_size, kv_heads, self.capacity)
+        kept = self.kv_dtype or dtype
+        self.keys[layer] = torch.zeros(*shape, key_dim, dtype=kept, device=self.device)
+        self.values[layer] = torch.zeros(*shape, value_dim, dtype=kept, device=self.device)
 
     # ----------------------------------------------------------------------------- space
     def _make_room(self, width: int) -> None:

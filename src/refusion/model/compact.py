@@ -22,6 +22,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from refusion.model.fused import FusedProduct, fused_products
+from refusion.model.native import native_layers
 
 COMPACT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 """`config.model_type`s whose decoder layers `CompactForward` runs (pre-norm attention and gated MLP, RoPE)."""
@@ -31,9 +32,10 @@ class CompactForward:
     """logits = forward(input_ids, position_ids, attention_mask, cache, logits_to_keep), the decoding forward of a
     supported model over a `SlotCache` (see the module docstring)."""
 
-    def __init__(self, model, fuse: bool = True):
+    def __init__(self, model, fuse: bool = True, native: bool = True):
         """`fuse`: multiply q/k/v and gate/up by one product each where that is exact (`model.fused`); False: each
-        layer on its own (the comparison benchmarks/linear_kernels.py makes)."""
+        layer on its own. `native`: run the layer loop in C++ where it applies (`model.native`: the same logits);
+        False: always in Python. (benchmarks/linear_kernels.py compares each with the default.)"""
         inner = model.model
         self.embed, self.layers, self.norm, self.rotary = inner.embed_tokens, inner.layers, inner.norm, inner.rotary_emb
         self.lm_head = model.lm_head
@@ -44,6 +46,7 @@ class CompactForward:
         self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")  # Qwen3
         self.layer_types = getattr(model.config, "layer_types", None)  # which mask each layer takes, when several
         self.fused = [fused_products(layer) if fuse else {} for layer in self.layers]
+        self.native = native_layers(self) if native else None
 
     def runs(self, model) -> bool:
         """Whether this forward still runs `model`'s modules (none was replaced since it was built)."""
@@ -58,15 +61,24 @@ class CompactForward:
                  logits_to_keep: int) -> torch.Tensor:
         hidden = self.embed(input_ids)  # a module call: the mask-gated adapter reads the mask rows in its pre-hook
         position_embeddings = self.rotary(hidden, position_ids)
-        masks = attention_mask if isinstance(attention_mask, dict) else None
-        for i, layer in enumerate(self.layers):
-            mask = masks[self.layer_types[i]] if masks is not None else attention_mask
+        if isinstance(attention_mask, dict):  # one mask per layer type
+            layer_masks = [attention_mask[kind] for kind in self.layer_types]
+        else:
+            layer_masks = [attention_mask] * len(self.layers)
+        if self.native is not None:
+            out = self.native(hidden, position_embeddings, layer_masks, cache)
+            if out is not None:
+                return self._logits(out, logits_to_keep)
+        for i, (layer, mask) in enumerate(zip(self.layers, layer_masks)):
             residual = hidden
             hidden = residual + self._attention(layer.self_attn, layer.input_layernorm.forward(hidden),
                                                 position_embeddings, mask, cache, i)
             residual = hidden
             hidden = residual + self._mlp(layer.mlp, layer.post_attention_layernorm.forward(hidden),
                                           self.fused[i].get("mlp"))
+        return self._logits(hidden, logits_to_keep)
+
+    def _logits(self, hidden: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
         hidden = self.norm.forward(hidden)
         return self.lm_head(hidden[:, -logits_to_keep:, :])  # a module call: its hooks run (the adapter's)
 

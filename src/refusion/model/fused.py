@@ -79,9 +79,7 @@ class FusedProduct:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if x.dtype != torch.bfloat16 or x.device.type != "cpu" or torch.is_grad_enabled() or x.numel() == 0:
             return tuple(m.forward(x) for m in self.members)  # what the members' own forwards fall back to
-        keys = self._keys()
-        if keys != self.key:
-            self._build(keys)
+        self.refresh()
         flat = x.reshape(-1, self.in_features)
         if self.kind == "packed":
             out = chunked_product(flat, self.weight, self.bias, self.rows)
@@ -93,6 +91,12 @@ class FusedProduct:
         for i, member in self.wrapped:
             member.add_update(x, parts[i])
         return parts
+
+    def refresh(self) -> None:
+        """Bring the fused weights up to date with the members' (built on first use, rebuilt after a change)."""
+        keys = self._keys()
+        if keys != self.key:
+            self._build(keys)
 
     def _keys(self) -> list:
         """What the fused weights must be rebuilt for: the members' weight keys (packed) or the keys their 4-bit

@@ -77,16 +77,20 @@ class Int4Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16 or x.device.type != "cpu" or torch.is_grad_enabled() or x.numel() == 0:
             return F.linear(x, self.weight, self.bias)
-        # the module's dicts read directly: nn.Module's attribute lookup costs microseconds, 210 times a forward
-        if weight_key(self._parameters["weight"]) != self.int4_key:
-            raise RuntimeError(STALE_BLOCKS)
         flat = x.reshape(-1, self.in_features).contiguous()  # the kernel reads rows in place
-        buffers = self._buffers
-        out = torch._weight_int4pack_mm_for_cpu(flat, buffers["int4_weight"], GROUP, buffers["int4_scales"])
+        out = torch._weight_int4pack_mm_for_cpu(flat, *self.blocks())
         bias = self._parameters["bias"]
         if bias is not None:
             out = out + bias
         return out.view(*x.shape[:-1], self.out_features)
+
+    def blocks(self) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """(4-bit weight, GROUP, scales and zeros) as the kernel takes them; refused when the weight changed since."""
+        # the module's dicts read directly: nn.Module's attribute lookup costs microseconds, 210 times a forward
+        if weight_key(self._parameters["weight"]) != self.int4_key:
+            raise RuntimeError(STALE_BLOCKS)
+        buffers = self._buffers
+        return buffers["int4_weight"], GROUP, buffers["int4_scales"]
 
 
 def int4_available() -> bool:

@@ -1,0 +1,200 @@
+"""The compact forward's decoder layers in C++: the same operations, without Python between them.
+
+A one-token forward of SmolLM2-135M calls ~2,400 ATen operations besides its 121 products; called one by one
+from Python each costs a few microseconds of interpreter and dispatch on top of its work, about half of a
+decoding step on a 2-core CPU. `NativeLayers` runs a `CompactForward`'s layer loop in a small C++ extension
+(`csrc/decoder_layers.cpp`) that calls the same ATen operations (the same kernels: packed bf16, int4, plain),
+in the same order and with the same dtypes, as the Python loop: norms, products (fused or not, with a
+mask-gated adapter's updates), rotary embedding, the KV entries written where `SlotCache.write` writes them,
+fp64-summed attention, MLP. Its logits are the Python loop's bit for bit (tests/model/test_native.py), so every
+guarantee of the compact forward (transformers' logits, rows as they would be alone) holds unchanged; measured
+in docs/BENCHMARKS.md, Current results: *Native decoder layers*.
+
+It applies to the row-exact setup, the CPU default where bf16 products are exact (attention "refusion_exact",
+products packed, int4 or plain, a SiLU MLP), under inference (no autograd). Anything else, and a forward whose
+KV storage does not exist yet (a batch's first forward), runs the Python loop. The layers read the weights the
+Python loop would: packed and fused weights are rebuilt when a weight is written or replaced (an int4 layer's
+changed weight is refused as `Int4Linear` refuses it).
+
+The extension is compiled once per machine, torch version and source (~30 s with g++; `ninja` is a
+dependency) under refusion's cache directory (`build_cache.cache_root`'s parent, else torch's own) and loaded
+from there afterwards. Where it cannot be built (no compiler) decoding runs the Python loop with one warning;
+`REFUSION_NATIVE=0` skips it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers.activations import SiLUActivation
+
+from refusion.model.build_cache import OFF_VALUES, cache_root
+from refusion.model.fused import FusedProduct, base_of
+from refusion.model.gated_lora import MaskGatedLoRA
+from refusion.model.int4 import GROUP, Int4Linear
+from refusion.model.row_exact import EXACT_ATTENTION, PackedLinear
+
+SOURCE = Path(__file__).parent / "csrc" / "decoder_layers.cpp"
+NATIVE_ENV = "REFUSION_NATIVE"
+"""Set to 0 (or off) to decode without the C++ layers (nothing is compiled)."""
+KINDS = {nn.Linear: 0, PackedLinear: 1, Int4Linear: 2}
+"""The product kinds the C++ layers compute, by linear layer type (the constants of decoder_layers.cpp)."""
+SILU = (nn.SiLU, SiLUActivation)
+"""The MLP activations the C++ layers compute (F.silu)."""
+
+
+@functools.cache
+def native_extension():
+    """The compiled extension module, built on first use (see the module docstring); None where it cannot be."""
+    if os.environ.get(NATIVE_ENV, "").strip().lower() in OFF_VALUES:
+        return None
+    source = SOURCE.read_bytes()
+    tag = hashlib.sha256(source + torch.__version__.encode() + sys.version.encode()).hexdigest()[:16]
+    root = cache_root()
+    directory = (root.parent if root is not None else Path(torch.utils.cpp_extension._get_build_directory(
+        "refusion_native", verbose=False))) / "native" / tag
+    built = directory / "refusion_native.so"
+    if not built.exists():
+        print("refusion: compiling the native decoder layers (once per machine and torch version, ~30 s)",
+              file=sys.stderr, flush=True)
+    try:
+        from torch.utils import cpp_extension
+
+        directory.mkdir(parents=True, exist_ok=True)
+        return cpp_extension.load("refusion_native", [str(SOURCE)], extra_cflags=["-O2"],
+                                  build_directory=str(directory), verbose=False)
+    except Exception as e:  # no compiler, no ninja, a build error: the Python loop decodes the same tokens
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        warnings.warn(f"refusion: the native decoder layers could not be built ({reason}); decoding runs the "
+                      f"Python layer loop (same tokens, slower)", stacklevel=2)
+        return None
+
+
+class NativeLayers:
+    """A `CompactForward`'s decoder layers as one C++ call (see the module docstring). `layers(hidden,
+    position_embeddings, masks, cache)` returns the hidden states after the last layer, or None when this forward
+    runs the Python loop."""
+
+    def __init__(self, compact, extension):
+        self.compact = compact
+        self.extension = extension
+        self.mask_rows = next((m.mask_rows for m in compact.layers.modules() if isinstance(m, MaskGatedLoRA)), None)
+        """The adapter's record of the forward's mask rows (its updates read it), or None without an adapter."""
+        self.sources: list[tuple[dict, str, torch.Tensor]] = []
+        """(module's parameter or buffer dict, name, tensor) of every tensor the C++ layers read: one replaced
+        means a rebuild (writes are caught by the stack's `fresh`)."""
+        self.kinds: list[tuple[nn.Module, type]] = []
+        """(linear layer, its type when built): a layer switched to another kernel means a rebuild."""
+        self.stack = None
+        attn = compact.layers[0].self_attn
+        self.kv_layout = (attn.config.num_key_value_heads, attn.head_dim)
+
+    def __call__(self, hidden: torch.Tensor, position_embeddings, masks: list, cache) -> torch.Tensor | None:
+        if hidden.device.type != "cpu" or torch.is_grad_enabled() or hidden.numel() == 0:
+            return None
+        if self.stack is None or not self._fresh():
+            self.stack = self._build()
+        if hidden.dtype != torch.bfloat16 and any(kind is not nn.Linear for _, kind in self.kinds):
+            return None  # packed and int4 layers multiply bf16 only (they fall back to F.linear otherwise)
+        storage = cache.native_storage(*self.kv_layout, hidden.dtype)
+        if storage is None:
+            return None
+        keys, values, start = storage
+        cos, sin = position_embeddings
+        rows = self.mask_rows
+        dense, listed = (rows.dense, rows.rows) if rows is not None else (None, None)
+        active = dense is not None and not (listed is not None and listed.numel() == 0)
+        return self.stack.forward(hidden, cos, sin, masks, keys, values, start, active,
+                                  active and rows.gated, dense, listed)
+
+    def _fresh(self) -> bool:
+        return (self.stack.fresh() and all(tensors[name] is tensor for tensors, name, tensor in self.sources)
+                and all(type(layer) is kind for layer, kind in self.kinds))
+
+    def _build(self):
+        """The C++ stack of the layers as their modules stand now (packed and fused weights brought up to date)."""
+        ext = self.extension
+        self.sources, self.kinds = [], []
+        layers = []
+        for layer, fused in zip(self.compact.layers, self.compact.fused):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = ([self._fused(fused["self_attn"])] if "self_attn" in fused
+                   else [self._product(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj)])
+            gate_up = ([self._fused(fused["mlp"])] if "mlp" in fused
+                       else [self._product(m) for m in (mlp.gate_proj, mlp.up_proj)])
+            q_norm, k_norm = (self._norm(attn.q_norm), self._norm(attn.k_norm)) if self.compact.qk_norm else (None, None)
+            layers.append(ext.Layer(self._norm(layer.input_layernorm), self._norm(layer.post_attention_layernorm),
+                                    q_norm, k_norm, qkv, self._product(attn.o_proj), gate_up,
+                                    self._product(mlp.down_proj), attn.head_dim, attn.scaling))
+        return ext.Stack(layers, [tensor for _, _, tensor in self.sources])
+
+    def _watch(self, tensors: dict, name: str) -> torch.Tensor | None:
+        """A module's parameter or buffer (from its `_parameters` or `_buffers`), recorded among the sources."""
+        tensor = tensors[name]
+        if tensor is not None:
+            self.sources.append((tensors, name, tensor))
+        return tensor
+
+    def _norm(self, norm: nn.Module):
+        return self.extension.Norm(self._watch(norm._parameters, "weight"), norm.variance_epsilon)
+
+    def _updates(self, members: list[nn.Module]) -> list:
+        return [self.extension.Update(i, self._watch(m._buffers, "lora_a"), self._watch(m._buffers, "lora_b"))
+                for i, m in enumerate(members) if isinstance(m, MaskGatedLoRA)]
+
+    def _base(self, member: nn.Module) -> nn.Module:
+        base = base_of(member)
+        self.kinds.append((base, type(base)))
+        self._watch(base._parameters, "weight")
+        self._watch(base._parameters, "bias")
+        return base
+
+    def _product(self, member: nn.Module):
+        """A lone linear layer (maybe wrapped in a mask-gated adapter) as the C++ layers compute it."""
+        base = self._base(member)
+        weight, bias = base._parameters["weight"], base._parameters["bias"]
+        kind = KINDS[type(base)]
+        if kind == KINDS[PackedLinear]:
+            weight, scales, rows = base._packed(), torch.empty(0), base.exact_rows
+        elif kind == KINDS[Int4Linear]:
+            weight, _, scales = base.blocks()
+            rows = 0
+        else:
+            scales, rows = torch.empty(0), 0
+        return self.extension.Product(kind, weight, scales, bias, rows, GROUP, [base.out_features],
+                                      self._updates([member]))
+
+    def _fused(self, product: FusedProduct):
+        """A fused product as the C++ layers compute it (its stacked weights brought up to date)."""
+        for member in product.members:
+            self._base(member)
+        product.refresh()
+        kind = KINDS[PackedLinear] if product.kind == "packed" else KINDS[Int4Linear]
+        scales = product.scales if product.scales is not None else torch.empty(0)
+        return self.extension.Product(kind, product.weight, scales, product.bias, product.rows or 0, GROUP,
+                                      product.splits, self._updates(product.members))
+
+
+def native_layers(compact) -> NativeLayers | None:
+    """`NativeLayers` for a `CompactForward`, or None where the C++ layers do not apply (see the module docstring)
+    or the extension cannot be built."""
+    layers = compact.layers
+    config = layers[0].self_attn.config
+    if config._attn_implementation != EXACT_ATTENTION or getattr(config, "attn_logit_softcapping", None):
+        return None
+    for layer in layers:
+        if type(layer.mlp.act_fn) not in SILU:
+            return None
+        members = [getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        members += [getattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
+        if any(type(base_of(m)) not in KINDS for m in members):
+            return None
+    extension = native_extension()
+    return NativeLayers(compact, extension) if extension is not None else None
