@@ -15,15 +15,17 @@ from refusion.model.tiny import tiny_model
 FAMILIES = ["llama", "qwen3", "qwen2", "mistral"]
 
 
-def new_cache(model) -> SlotCache:
+def new_cache(model, kv_dtype: torch.dtype | None = None) -> SlotCache:
     config = model.config
-    return SlotCache(config.num_hidden_layers, "cpu", 64, attention_mask_dtype(model), attention_windows(config))
+    return SlotCache(config.num_hidden_layers, "cpu", 64, attention_mask_dtype(model), attention_windows(config),
+                     kv_dtype=kv_dtype)
 
 
-def forwards(model, run) -> list[torch.Tensor]:
+def forwards(model, run, kv_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """Logits of a prompt forward, then a forward of three new tokens whose last group reads only itself (a mask
-    other than the causal one) and a padded row, each through `run(ids, positions, mask, cache, keep)`."""
-    cache = new_cache(model)
+    other than the causal one) and a padded row, each through `run(ids, positions, mask, cache, keep)`; the cache
+    keeps entries in `kv_dtype` (None: the layers' dtype)."""
+    cache = new_cache(model, kv_dtype)
     for row in range(2):
         cache.add_sequence(row)
     out = []

@@ -17,7 +17,7 @@ Python loop would: packed and fused weights are rebuilt when a weight is written
 changed weight is refused as `Int4Linear` refuses it).
 
 The extension is compiled once per machine, torch version and source (~30 s with g++; `ninja` is a
-dependency) under refusion's cache directory (`build_cache.cache_root`'s parent, else torch's own) and loaded
+dependency) into torch's extension directory (`TORCH_EXTENSIONS_DIR`, else ~/.cache/torch_extensions) and loaded
 from there afterwards. Where it cannot be built (no compiler) decoding runs the Python loop with one warning;
 `REFUSION_NATIVE=0` skips it.
 """
@@ -35,13 +35,15 @@ import torch
 from torch import nn
 from transformers.activations import SiLUActivation
 
-from refusion.model.build_cache import OFF_VALUES, cache_root
+from refusion.model.build_cache import OFF_VALUES
 from refusion.model.fused import FusedProduct, base_of
 from refusion.model.gated_lora import MaskGatedLoRA
 from refusion.model.int4 import GROUP, Int4Linear
 from refusion.model.row_exact import EXACT_ATTENTION, PackedLinear
 
 SOURCE = Path(__file__).parent / "csrc" / "decoder_layers.cpp"
+EXTENSION = "refusion_native"
+"""The extension's module name (and its folder under torch's extension directory)."""
 NATIVE_ENV = "REFUSION_NATIVE"
 """Set to 0 (or off) to decode without the C++ layers (nothing is compiled)."""
 KINDS = {nn.Linear: 0, PackedLinear: 1, Int4Linear: 2}
@@ -55,21 +57,19 @@ def native_extension():
     """The compiled extension module, built on first use (see the module docstring); None where it cannot be."""
     if os.environ.get(NATIVE_ENV, "").strip().lower() in OFF_VALUES:
         return None
-    source = SOURCE.read_bytes()
-    tag = hashlib.sha256(source + torch.__version__.encode() + sys.version.encode()).hexdigest()[:16]
-    root = cache_root()
-    directory = (root.parent if root is not None else Path(torch.utils.cpp_extension._get_build_directory(
-        "refusion_native", verbose=False))) / "native" / tag
-    built = directory / "refusion_native.so"
-    if not built.exists():
-        print("refusion: compiling the native decoder layers (once per machine and torch version, ~30 s)",
-              file=sys.stderr, flush=True)
     try:
         from torch.utils import cpp_extension
 
+        source = SOURCE.read_bytes()
+        tag = hashlib.sha256(source + torch.__version__.encode() + sys.version.encode()).hexdigest()[:16]
+        # torch's extension directory (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), one folder per source
+        directory = Path(cpp_extension._get_build_directory(EXTENSION, verbose=False)) / tag
         directory.mkdir(parents=True, exist_ok=True)
-        return cpp_extension.load("refusion_native", [str(SOURCE)], extra_cflags=["-O2"],
-                                  build_directory=str(directory), verbose=False)
+        if not (directory / f"{EXTENSION}.so").exists():
+            print("refusion: compiling the native decoder layers (once per machine and torch version, ~30 s)",
+                  file=sys.stderr, flush=True)
+        return cpp_extension.load(EXTENSION, [str(SOURCE)], extra_cflags=["-O2"], build_directory=str(directory),
+                                  verbose=False)
     except Exception as e:  # no compiler, no ninja, a build error: the Python loop decodes the same tokens
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         warnings.warn(f"refusion: the native decoder layers could not be built ({reason}); decoding runs the "

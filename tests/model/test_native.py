@@ -1,0 +1,156 @@
+"""`model.native`: the compact forward's layer loop in C++ gives the Python loop's logits bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import refusion
+from refusion.decode.cache import SlotCache, attention_mask_dtype
+from refusion.model import gated_lora, native, row_exact
+from refusion.model.compact import CompactForward, compact_forward
+from refusion.model.setup import setup_of
+from refusion.model.tiny import tiny_model
+
+from .test_compact import FAMILIES, forwards
+from .test_fused import KINDS, gate_adapters, model_with
+
+
+def exact_model(family: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0, **overrides):
+    return tiny_model(family, hidden_size=64, dtype=dtype, seed=seed, attn_implementation=row_exact.EXACT_ATTENTION,
+                      **overrides)
+
+
+def python_run(model) -> CompactForward:
+    return CompactForward(model, native=False)
+
+
+def native_run(model) -> CompactForward:
+    """The model's compact forward, asserting that every forward of it runs the C++ layers."""
+    compact = compact_forward(model)
+    assert compact.native is not None
+    run = compact.native.__call__
+
+    def checked(*args):
+        out = run(*args)
+        assert out is not None, "the forward ran the Python loop"
+        return out
+    compact.native = type("Checked", (), {"__call__": staticmethod(checked)})()
+    return compact
+
+
+def fp64_forwards(model, run) -> list[torch.Tensor]:
+    """`forwards` over a cache that keeps fp64 entries, as decoders keep them under exact attention."""
+    return forwards(model, run, kv_dtype=row_exact.cache_dtype(model))
+
+
+def assert_same(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> None:
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_extension_builds_here():
+    assert native.native_extension() is not None  # gcc, the Python headers and ninja are on every such machine
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_native_layers_give_the_python_loops_logits_bit_for_bit(family, dtype):
+    model = exact_model(family, dtype, seed=1)  # plain products; Qwen2 with q/k/v biases, Qwen3 with q/k norms
+    assert_same(forwards(model, native_run(model)), forwards(model, python_run(model)))
+    assert_same(fp64_forwards(model, native_run(model)), fp64_forwards(model, python_run(model)))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_packed_products_unfused_and_fused(family):
+    if not row_exact.packing_available():
+        pytest.skip("no AMX packing on this CPU")
+    model = exact_model(family, seed=2)
+    row_exact.use_packed_linears(model)
+    for fuse in (True, False):
+        compact = native_run(model) if fuse else CompactForward(model, fuse=False)
+        assert compact.native is not None
+        assert_same(fp64_forwards(model, compact), fp64_forwards(model, python_run(model)))
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("kind", KINDS)
+def test_mask_gated_updates_land_where_the_python_loop_puts_them(kind, gated, monkeypatch):
+    model = model_with(kind, "qwen2", seed=3)  # fused products with a bias, updates on q/k/v and gate/up
+    gate_adapters(model)
+    if not gated:  # the listed-rows path (wide forwards) instead of every row times the gate
+        monkeypatch.setattr(gated_lora, "MAX_ROWS", 0)
+    assert_same(fp64_forwards(model, native_run(model)), fp64_forwards(model, python_run(model)))
+
+
+def test_sliding_window_layers_get_their_own_masks():
+    model = exact_model("qwen2", seed=4, sliding_window=3, use_sliding_window=True, max_window_layers=1)
+    assert_same(forwards(model, native_run(model)), forwards(model, python_run(model)))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_native_layers_follow_written_and_replaced_weights(kind):
+    model = model_with(kind, seed=5)
+    compact = native_run(model)
+    forwards(model, compact)  # the stack is built
+    q_proj = model.model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        q_proj.weight.mul_(-1)  # written in place
+    if kind == "int4":  # the 4-bit blocks no longer describe it: refused, as the Python loop refuses it
+        with pytest.raises(RuntimeError, match="load the model again"):
+            forwards(model, compact)
+        return
+    assert_same(forwards(model, compact), forwards(model, python_run(model)))
+    norm = model.model.layers[1].post_attention_layernorm
+    norm.weight = nn.Parameter(norm.weight.detach() * 2)  # replaced by another tensor
+    assert_same(forwards(model, compact), forwards(model, python_run(model)))
+
+
+def test_the_python_loop_runs_where_the_native_layers_do_not_apply():
+    sdpa = tiny_model("llama", dtype=torch.bfloat16)
+    assert compact_forward(sdpa).native is None  # another attention implementation
+    model = exact_model("llama")
+    compact = compact_forward(model)
+    cache = SlotCache(model.config.num_hidden_layers, "cpu", 16, attention_mask_dtype(model))
+    cache.add_sequence(0)
+    hidden = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+    embeddings = compact.rotary(hidden, torch.zeros(1, 1, dtype=torch.long))
+    with torch.enable_grad():  # training: autograd needs the Python operations
+        assert compact.native(hidden, embeddings, [None] * 2, cache) is None
+
+
+def test_refusion_native_0_skips_the_extension_and_a_failed_build_warns(monkeypatch):
+    from torch.utils import cpp_extension
+
+    native.native_extension.cache_clear()
+    try:
+        monkeypatch.setenv(native.NATIVE_ENV, "0")
+        assert native.native_extension() is None
+        assert compact_forward(exact_model("llama")).native is None
+        native.native_extension.cache_clear()
+        monkeypatch.delenv(native.NATIVE_ENV)
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("Error building extension 'refusion_native'\nmore lines")
+        monkeypatch.setattr(cpp_extension, "load", broken)
+        with pytest.warns(UserWarning, match="could not be built .Error building extension"):
+            assert native.native_extension() is None
+    finally:
+        native.native_extension.cache_clear()
+
+
+@pytest.mark.parametrize("strategy", ["autoregressive", "speculative", "refusion"])
+def test_decoders_decode_the_same_tokens_and_forwards_either_way(tiny_model_dir, strategy):
+    model, tokenizer = refusion.load(tiny_model_dir, dtype="bfloat16", device="cpu",
+                                     attn_implementation=row_exact.EXACT_ATTENTION)
+    setup = setup_of(model)
+    assert setup.compact_forward.native is not None
+    python = setup.replace(compact_forward=python_run(model))
+    prompts = [[5, 9, 11, 4, 7, 20], [3, 8, 6]]
+    slots = dict(slot_size=4, block_size=8, slot_threshold=0.5, token_threshold=0.3) if strategy == "refusion" else {}
+    cfg = refusion.DecodeConfig(strategy=strategy, max_new_tokens=24, eos_token_id=[2], **slots)
+    ours = refusion.generate(model, prompts, cfg, setup=setup)
+    theirs = refusion.generate(model, prompts, cfg, setup=python)
+    assert ours.sequences == theirs.sequences
+    assert [s.forwards for s in ours.stats.per_sequence] == [s.forwards for s in theirs.stats.per_sequence]
