@@ -3,7 +3,8 @@
 For every prompt, back to back (so machine noise hits every engine alike): refusion's AR decoding and exact
 mode (the embedded model's preset; "exact_every_draft" the same without the cost-aware cut of its drafts,
 `decode.costs`; "ar_transformers" and "exact_transformers" through transformers' forward instead of
-`model.compact`; "ar_unfused" and "exact_unfused" without its fused products, `model.fused`; `--modes` chooses) with each linear kernel (`--kernels`, default the auto choice and "int4", the
+`model.compact`; "ar_unfused" and "exact_unfused" without its fused products, `model.fused`; "ar_python" and
+"exact_python" with its layer loop in Python instead of C++, `model.native`; `--modes` chooses) with each linear kernel (`--kernels`, default the auto choice and "int4", the
 GGUF's 4-bit blocks), then llama.cpp's plain greedy decoding of the base GGUF (`--llama-cpp DIR` holding a
 `llama-completion` binary; skipped without it). Reported per engine and prompt group: tokens, seconds, tokens/s
 (refusion: prefill included; llama.cpp: prompt evaluation included, and decode alone), the ratio to the first
@@ -57,9 +58,12 @@ MODES = {
     "exact_transformers": lambda setup, model: setup.replace(compact=False),
     "ar_unfused": lambda setup, model: setup.replace(compact_forward=CompactForward(model, fuse=False)),
     "exact_unfused": lambda setup, model: setup.replace(compact_forward=CompactForward(model, fuse=False)),
+    "ar_python": lambda setup, model: setup.replace(compact_forward=CompactForward(model, native=False)),
+    "exact_python": lambda setup, model: setup.replace(compact_forward=CompactForward(model, native=False)),
 }
 """Engines per kernel: the decoding mode (AR or the embedded preset's exact mode) and what the setup changes
-("unfused": q/k/v and gate/up multiplied one layer at a time, `model.fused`)."""
+("unfused": q/k/v and gate/up multiplied one layer at a time, `model.fused`; "python": the compact forward's
+layer loop in Python instead of the native C++ layers, `model.native`)."""
 
 PROMPT_GROUPS = {"gsm8k": ("gsm8k", 400), "arc": ("arc_challenge", 300), "mbpp": ("mbpp", 300)}
 """Task prompt groups: (evaluation task, examples skipped): past every tuning prompt (docs/BENCHMARKS.md)."""
