@@ -17,9 +17,12 @@ from .test_compact import FAMILIES, forwards
 from .test_fused import KINDS, gate_adapters, model_with
 
 
-def exact_model(family: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0, **overrides):
-    return tiny_model(family, hidden_size=64, dtype=dtype, seed=seed, attn_implementation=row_exact.EXACT_ATTENTION,
-                      **overrides)
+ATTENTIONS = [row_exact.EXACT_ATTENTION, "sdpa"]
+
+
+def exact_model(family: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                attention: str = row_exact.EXACT_ATTENTION, **overrides):
+    return tiny_model(family, hidden_size=64, dtype=dtype, seed=seed, attn_implementation=attention, **overrides)
 
 
 def python_run(model) -> CompactForward:
@@ -54,12 +57,37 @@ def test_the_extension_builds_here():
     assert native.native_extension() is not None  # gcc, the Python headers and ninja are on every such machine
 
 
+@pytest.mark.parametrize("attention", ATTENTIONS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_native_layers_give_the_python_loops_logits_bit_for_bit(family, dtype):
-    model = exact_model(family, dtype, seed=1)  # plain products; Qwen2 with q/k/v biases, Qwen3 with q/k norms
+def test_native_layers_give_the_python_loops_logits_bit_for_bit(family, dtype, attention):
+    # plain products; Qwen2 with q/k/v biases, Qwen3 with q/k norms; forwards() has masks, padding and one token
+    model = exact_model(family, dtype, seed=1, attention=attention)
     assert_same(forwards(model, native_run(model)), forwards(model, python_run(model)))
     assert_same(fp64_forwards(model, native_run(model)), fp64_forwards(model, python_run(model)))
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_one_token_forwards_without_a_mask(attention):
+    """The AR step over a hole-free context: no mask at all (sdpa then groups the query heads by KV head)."""
+    model = exact_model("llama", torch.float32, seed=6, attention=attention)
+    outs = []
+    for run in (native_run(model), python_run(model)):
+        cache = SlotCache(model.config.num_hidden_layers, "cpu", 16, attention_mask_dtype(model))
+        cache.add_sequence(0)
+        logits = []
+        for step, ids in enumerate(([5, 9, 11], [4], [7])):
+            start = cache.used
+            positions = torch.arange(start, start + len(ids))[None]
+            groups = torch.zeros_like(positions)
+            mask = cache.begin_forward(groups, positions)
+            assert (mask is None) == (step > 0)
+            with torch.inference_mode():
+                logits.append(run(torch.tensor([ids]), positions, mask, cache, len(ids)))
+            cache.end_forward()
+            cache.commit(0, positions[0])
+        outs.append(logits)
+    assert_same(*outs)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
@@ -84,8 +112,10 @@ def test_mask_gated_updates_land_where_the_python_loop_puts_them(kind, gated, mo
     assert_same(fp64_forwards(model, native_run(model)), fp64_forwards(model, python_run(model)))
 
 
-def test_sliding_window_layers_get_their_own_masks():
-    model = exact_model("qwen2", seed=4, sliding_window=3, use_sliding_window=True, max_window_layers=1)
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_sliding_window_layers_get_their_own_masks(attention):
+    model = exact_model("qwen2", seed=4, attention=attention, sliding_window=3, use_sliding_window=True,
+                        max_window_layers=1)
     assert_same(forwards(model, native_run(model)), forwards(model, python_run(model)))
 
 
@@ -108,8 +138,8 @@ def test_native_layers_follow_written_and_replaced_weights(kind):
 
 
 def test_the_python_loop_runs_where_the_native_layers_do_not_apply():
-    sdpa = tiny_model("llama", dtype=torch.bfloat16)
-    assert compact_forward(sdpa).native is None  # another attention implementation
+    eager = tiny_model("llama", dtype=torch.bfloat16, attn_implementation="eager")
+    assert compact_forward(eager).native is None  # another attention implementation
     model = exact_model("llama")
     compact = compact_forward(model)
     cache = SlotCache(model.config.num_hidden_layers, "cpu", 16, attention_mask_dtype(model))
@@ -140,10 +170,10 @@ def test_refusion_native_0_skips_the_extension_and_a_failed_build_warns(monkeypa
         native.native_extension.cache_clear()
 
 
+@pytest.mark.parametrize("dtype,attention", [("bfloat16", row_exact.EXACT_ATTENTION), ("float32", "sdpa")])
 @pytest.mark.parametrize("strategy", ["autoregressive", "speculative", "refusion"])
-def test_decoders_decode_the_same_tokens_and_forwards_either_way(tiny_model_dir, strategy):
-    model, tokenizer = refusion.load(tiny_model_dir, dtype="bfloat16", device="cpu",
-                                     attn_implementation=row_exact.EXACT_ATTENTION)
+def test_decoders_decode_the_same_tokens_and_forwards_either_way(tiny_model_dir, strategy, dtype, attention):
+    model, tokenizer = refusion.load(tiny_model_dir, dtype=dtype, device="cpu", attn_implementation=attention)
     setup = setup_of(model)
     assert setup.compact_forward.native is not None
     python = setup.replace(compact_forward=python_run(model))

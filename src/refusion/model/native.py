@@ -10,9 +10,9 @@ fp64-summed attention, MLP. Its logits are the Python loop's bit for bit (tests/
 guarantee of the compact forward (transformers' logits, rows as they would be alone) holds unchanged; measured
 in docs/BENCHMARKS.md, Current results: *Native decoder layers*.
 
-It applies to the row-exact setup, the CPU default where bf16 products are exact (attention "refusion_exact",
-products packed, int4 or plain, a SiLU MLP), under inference (no autograd). Anything else, and a forward whose
-KV storage does not exist yet (a batch's first forward), runs the Python loop. The layers read the weights the
+It applies on the CPU under inference (no autograd) to models whose attention is exact attention (the row-exact
+setup, the default where bf16 products are exact) or transformers' sdpa (the fp32 default elsewhere), whose
+products are packed, int4 or plain, with a SiLU MLP; anything else runs the Python loop. The layers read the weights the
 Python loop would: packed and fused weights are rebuilt when a weight is written or replaced (an int4 layer's
 changed weight is refused as `Int4Linear` refuses it).
 
@@ -48,6 +48,9 @@ NATIVE_ENV = "REFUSION_NATIVE"
 """Set to 0 (or off) to decode without the C++ layers (nothing is compiled)."""
 KINDS = {nn.Linear: 0, PackedLinear: 1, Int4Linear: 2}
 """The product kinds the C++ layers compute, by linear layer type (the constants of decoder_layers.cpp)."""
+ATTENTIONS = {EXACT_ATTENTION: 0, "sdpa": 1}
+"""The attention implementations the C++ layers compute (the constants of decoder_layers.cpp): exact attention,
+and transformers' sdpa function as it runs on a CPU."""
 SILU = (nn.SiLU, SiLUActivation)
 """The MLP activations the C++ layers compute (F.silu)."""
 
@@ -88,18 +91,19 @@ class NativeLayers:
         self.mask_rows = next((m.mask_rows for m in compact.layers.modules() if isinstance(m, MaskGatedLoRA)), None)
         """The adapter's record of the forward's mask rows (its updates read it), or None without an adapter."""
         self.sources: list[tuple[dict, str, torch.Tensor]] = []
-        """(module's parameter or buffer dict, name, tensor) of every tensor the C++ layers read: one replaced
-        means a rebuild (writes are caught by the stack's `fresh`)."""
+        """(module's parameter or buffer dict, name, tensor) of every tensor the C++ layers read: one replaced or
+        written since the stack was built means a rebuild (the stack's `fresh` checks, in C++)."""
         self.kinds: list[tuple[nn.Module, type]] = []
-        """(linear layer, its type when built): a layer switched to another kernel means a rebuild."""
+        """(linear layer, its type when built): a layer switched to another kernel since means a rebuild (`fresh`)."""
         self.stack = None
         attn = compact.layers[0].self_attn
         self.kv_layout = (attn.config.num_key_value_heads, attn.head_dim)
+        self.attention = ATTENTIONS[attn.config._attn_implementation]
 
     def __call__(self, hidden: torch.Tensor, position_embeddings, masks: list, cache) -> torch.Tensor | None:
         if hidden.device.type != "cpu" or torch.is_grad_enabled() or hidden.numel() == 0:
             return None
-        if self.stack is None or not self._fresh():
+        if self.stack is None or not self.stack.fresh():
             self.stack = self._build()
         if hidden.dtype != torch.bfloat16 and any(kind is not nn.Linear for _, kind in self.kinds):
             return None  # packed and int4 layers multiply bf16 only (they fall back to F.linear otherwise)
@@ -113,10 +117,6 @@ class NativeLayers:
         active = dense is not None and not (listed is not None and listed.numel() == 0)
         return self.stack.forward(hidden, cos, sin, masks, keys, values, start, active,
                                   active and rows.gated, dense, listed)
-
-    def _fresh(self) -> bool:
-        return (self.stack.fresh() and all(tensors[name] is tensor for tensors, name, tensor in self.sources)
-                and all(type(layer) is kind for layer, kind in self.kinds))
 
     def _build(self):
         """The C++ stack of the layers as their modules stand now (packed and fused weights brought up to date)."""
@@ -132,8 +132,9 @@ class NativeLayers:
             q_norm, k_norm = (self._norm(attn.q_norm), self._norm(attn.k_norm)) if self.compact.qk_norm else (None, None)
             layers.append(ext.Layer(self._norm(layer.input_layernorm), self._norm(layer.post_attention_layernorm),
                                     q_norm, k_norm, qkv, self._product(attn.o_proj), gate_up,
-                                    self._product(mlp.down_proj), attn.head_dim, attn.scaling))
-        return ext.Stack(layers, [tensor for _, _, tensor in self.sources])
+                                    self._product(mlp.down_proj), attn.head_dim, attn.scaling, self.attention,
+                                    attn.num_key_value_groups))
+        return ext.Stack(layers, self.sources, self.kinds)
 
     def _watch(self, tensors: dict, name: str) -> torch.Tensor | None:
         """A module's parameter or buffer (from its `_parameters` or `_buffers`), recorded among the sources."""
@@ -187,10 +188,13 @@ def native_layers(compact) -> NativeLayers | None:
     or the extension cannot be built."""
     layers = compact.layers
     config = layers[0].self_attn.config
-    if config._attn_implementation != EXACT_ATTENTION or getattr(config, "attn_logit_softcapping", None):
+    attention = config._attn_implementation
+    if attention not in ATTENTIONS or getattr(config, "attn_logit_softcapping", None):
+        return None
+    if attention == "sdpa" and not sdpa_as_on_a_cpu():
         return None
     for layer in layers:
-        if type(layer.mlp.act_fn) not in SILU:
+        if type(layer.mlp.act_fn) not in SILU or not getattr(layer.self_attn, "is_causal", True):
             return None
         members = [getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         members += [getattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
@@ -198,3 +202,14 @@ def native_layers(compact) -> NativeLayers | None:
             return None
     extension = native_extension()
     return NativeLayers(compact, extension) if extension is not None else None
+
+
+def sdpa_as_on_a_cpu() -> bool:
+    """Whether transformers' sdpa function takes the branches the C++ layers mirror: not forced to grouped-query
+    kernels (TRANSFORMERS_SDPA_FORCE_GQA) and no XPU, MPS or NPU torch (whose branches differ)."""
+    from transformers.integrations import sdpa_attention as sdpa
+
+    if os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA", "0") == "1":
+        return False
+    return not any(getattr(sdpa, flag, True) for flag in
+                   ("_is_torch_xpu_available", "_is_torch_mps_available", "_is_torch_npu_available"))

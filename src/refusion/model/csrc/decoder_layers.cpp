@@ -40,6 +40,10 @@ struct Norm {
   double eps;
 };
 
+// attention implementations (native.py ATTENTIONS)
+constexpr int64_t kExact = 0;  // row_exact.exact_attention
+constexpr int64_t kSdpa = 1;   // transformers' sdpa_attention_forward (on a CPU)
+
 struct Layer {
   Norm input, post;
   c10::optional<Norm> q_norm, k_norm;  // Qwen3
@@ -49,6 +53,8 @@ struct Layer {
   Product down;
   int64_t head_dim;
   double scaling;
+  int64_t attention;  // kExact or kSdpa
+  int64_t kv_groups;  // query heads per KV head
 };
 
 // Where the forward's mask rows are (gated_lora.MaskRows), as the adapter's updates read them.
@@ -86,8 +92,8 @@ void add_update(const Update& u, const Tensor& x, const Tensor& out, const MaskR
 }
 
 // FusedProduct.__call__, PackedLinear.forward (chunked_product), Int4Linear.forward, nn.Linear.forward, and the
-// MaskGatedLoRA updates of the members: the members' outputs in order
-std::vector<Tensor> product(const Product& p, const Tensor& x, const MaskRows& m) {
+// MaskGatedLoRA updates of the members: the members' outputs in order (views of `*whole`, when asked for)
+std::vector<Tensor> product(const Product& p, const Tensor& x, const MaskRows& m, Tensor* whole = nullptr) {
   Tensor out;
   if (p.kind == kPlain) {
     out = at::linear(x, p.weight, p.bias);
@@ -113,6 +119,7 @@ std::vector<Tensor> product(const Product& p, const Tensor& x, const MaskRows& m
   if (m.active) {
     for (const Update& u : p.updates) add_update(u, x, parts[u.part], m);
   }
+  if (whole != nullptr) *whole = out;
   return parts;
 }
 
@@ -155,27 +162,86 @@ Tensor exact_attention(const Tensor& query, const Tensor& key, const Tensor& val
   return out.transpose(1, 2).contiguous();
 }
 
-// CompactForward._attention with apply_rotary_pos_emb and SlotCache.write (native.py: `SlotCache.native_storage`)
-Tensor attention(const Layer& layer, const Tensor& hidden, const Tensor& cos, const Tensor& sin,
-                 const c10::optional<Tensor>& mask, Tensor& keys, Tensor& values, int64_t start, const MaskRows& m) {
-  int64_t batch = hidden.size(0), width = hidden.size(1);
-  std::vector<Tensor> qkv = products(layer.qkv, hidden, m);
-  Tensor query = qkv[0].view({batch, width, -1, layer.head_dim});
-  Tensor key = qkv[1].view({batch, width, -1, layer.head_dim});
-  if (layer.q_norm) {
-    query = rms_norm(query, *layer.q_norm);
-    key = rms_norm(key, *layer.k_norm);
+// repeat_kv
+Tensor repeat_kv(const Tensor& x, int64_t repeats) {
+  if (repeats == 1) return x;
+  int64_t batch = x.size(0), kv_heads = x.size(1), length = x.size(2), dim = x.size(3);
+  return x.unsqueeze(2).expand({batch, kv_heads, repeats, length, dim}).reshape({batch, kv_heads * repeats, length, dim});
+}
+
+// pack_gqa
+c10::optional<Tensor> pack_gqa(const c10::optional<Tensor>& x, int64_t repeats) {
+  if (!x || x->size(1) == 1) return x;
+  return x->reshape({x->size(0), x->size(1) / repeats, repeats, x->size(3)});
+}
+
+// sdpa_attention_forward on a CPU (no position bias, no dropout, causal module, TRANSFORMERS_SDPA_FORCE_GQA unset)
+Tensor sdpa_attention(Tensor query, Tensor key, Tensor value, c10::optional<Tensor> mask, double scaling,
+                      int64_t groups) {
+  int64_t rows = query.size(2);
+  bool gqa = false;
+  if (groups > 1) {
+    if (!mask && key.size(-1) == value.size(-1) && key.size(-1) <= 256) {  // use_gqa_in_sdpa
+      gqa = true;
+    } else if (rows == 1) {
+      query = *pack_gqa(query, groups);
+      mask = pack_gqa(mask, groups);
+    } else {
+      key = repeat_kv(key, groups);
+      value = repeat_kv(value, groups);
+    }
   }
-  query = query.transpose(1, 2);
-  key = key.transpose(1, 2);
-  Tensor value = qkv[2].view({batch, width, -1, layer.head_dim}).transpose(1, 2);
-  Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
-  query = (query * c) + (rotate_half(query) * s);
-  key = (key * c) + (rotate_half(key) * s);
+  bool causal = rows > 1 && !mask;
+  if (causal && key.size(2) > rows) {
+    key = key.slice(2, 0, rows);
+    value = value.slice(2, 0, rows);
+  }
+  Tensor out = at::scaled_dot_product_attention(query, key, value, mask, 0.0, causal, scaling, gqa);
+  out = out.reshape({out.size(0), -1, rows, value.size(-1)});
+  return out.transpose(1, 2).contiguous();
+}
+
+// apply_rotary_pos_emb's formula for one of q and k; c, s: cos and sin unsqueezed at dim 1
+Tensor rotary(const Tensor& x, const Tensor& c, const Tensor& s) {
+  return (x * c) + (rotate_half(x) * s);
+}
+
+// CompactForward._attention with apply_rotary_pos_emb, SlotCache.write (native.py: `SlotCache.native_storage`) and
+// the model's attention function.
+// Where q and k are adjacent columns of one fused product and no per-head norm comes between (Llama, Mistral,
+// Qwen2), RoPE runs once over both: every element gets the same operations on the same numbers as in two calls.
+Tensor attention(const Layer& layer, const Tensor& hidden, const Tensor& c, const Tensor& s,
+                 const c10::optional<Tensor>& mask, Tensor& keys, Tensor& values, int64_t start, const MaskRows& m) {
+  int64_t batch = hidden.size(0), width = hidden.size(1), dim = layer.head_dim;
+  Tensor query, key;
+  std::vector<Tensor> qkv;
+  if (layer.qkv.size() == 1 && !layer.q_norm) {
+    Tensor whole;
+    qkv = product(layer.qkv[0], hidden, m, &whole);
+    int64_t heads = qkv[0].size(-1) / dim, kv_heads = qkv[1].size(-1) / dim;
+    Tensor both = rotary(whole.slice(-1, 0, (heads + kv_heads) * dim).view({batch, width, -1, dim}).transpose(1, 2),
+                         c, s);
+    query = both.slice(1, 0, heads);
+    key = both.slice(1, heads);
+  } else {
+    qkv = products(layer.qkv, hidden, m);
+    query = qkv[0].view({batch, width, -1, dim});
+    key = qkv[1].view({batch, width, -1, dim});
+    if (layer.q_norm) {
+      query = rms_norm(query, *layer.q_norm);
+      key = rms_norm(key, *layer.k_norm);
+    }
+    query = rotary(query.transpose(1, 2), c, s);
+    key = rotary(key.transpose(1, 2), c, s);
+  }
+  Tensor value = qkv[2].view({batch, width, -1, dim}).transpose(1, 2);
   int64_t end = start + width;
   keys.slice(2, start, end).copy_(key);
   values.slice(2, start, end).copy_(value);
-  Tensor out = exact_attention(query, keys.slice(2, 0, end), values.slice(2, 0, end), mask, layer.scaling);
+  Tensor out = layer.attention == kExact
+                   ? exact_attention(query, keys.slice(2, 0, end), values.slice(2, 0, end), mask, layer.scaling)
+                   : sdpa_attention(query, keys.slice(2, 0, end), values.slice(2, 0, end), mask, layer.scaling,
+                                    layer.kv_groups);
   return product(layer.o, out.reshape({batch, width, -1}).contiguous(), m)[0];
 }
 
@@ -185,17 +251,35 @@ Tensor mlp(const Layer& layer, const Tensor& hidden, const MaskRows& m) {
   return product(layer.down, at::silu(gate_up[0]) * gate_up[1], m)[0];
 }
 
+// A tensor the layers read, as a module holds it: (the module's parameter or buffer dict, name, tensor).
+struct Source {
+  py::dict tensors;
+  py::str name;
+  py::object tensor;
+  Tensor value;
+  std::pair<int64_t, int64_t> key;  // row_exact.weight_key when the stack was built
+};
+
 // A model's decoder layers with the tensors they read (native.NativeLayers).
 class Stack {
  public:
-  Stack(std::vector<Layer> layers, std::vector<Tensor> watched) : layers_(std::move(layers)), watched_(std::move(watched)) {
-    for (const Tensor& t : watched_) keys_.push_back(key_of(t));
+  Stack(std::vector<Layer> layers, const std::vector<py::tuple>& sources, std::vector<py::tuple> kinds)
+      : layers_(std::move(layers)), kinds_(std::move(kinds)) {
+    for (const py::tuple& s : sources) {
+      Tensor value = s[2].cast<Tensor>();
+      sources_.push_back(Source{s[0].cast<py::dict>(), s[1].cast<py::str>(), s[2], value, key_of(value)});
+    }
   }
 
-  // whether no watched tensor was written or moved since the stack was built (row_exact.weight_key)
+  // whether every source is still the tensor its module holds, unwritten and in place, and every linear layer
+  // still of the type it had, since the stack was built
   bool fresh() const {
-    for (size_t i = 0; i < watched_.size(); ++i) {
-      if (key_of(watched_[i]) != keys_[i]) return false;
+    for (const Source& s : sources_) {
+      PyObject* held = PyDict_GetItem(s.tensors.ptr(), s.name.ptr());  // borrowed
+      if (held != s.tensor.ptr() || key_of(s.value) != s.key) return false;
+    }
+    for (const py::tuple& k : kinds_) {
+      if (reinterpret_cast<PyObject*>(Py_TYPE(k[0].ptr())) != k[1].ptr()) return false;
     }
     return true;
   }
@@ -208,10 +292,11 @@ class Stack {
     TORCH_CHECK(masks.size() == layers_.size() && keys.size() == layers_.size() && values.size() == layers_.size(),
                 "one mask, key and value storage per layer");
     MaskRows m{mask_active, mask_gated, mask_dense, mask_rows};
+    Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       Tensor residual = hidden;
-      hidden = residual + attention(layer, rms_norm(hidden, layer.input), cos, sin, masks[i], keys[i], values[i],
+      hidden = residual + attention(layer, rms_norm(hidden, layer.input), c, s, masks[i], keys[i], values[i],
                                     start, m);
       residual = hidden;
       hidden = residual + mlp(layer, rms_norm(hidden, layer.post), m);
@@ -225,8 +310,8 @@ class Stack {
   }
 
   std::vector<Layer> layers_;
-  std::vector<Tensor> watched_;
-  std::vector<std::pair<int64_t, int64_t>> keys_;
+  std::vector<py::tuple> kinds_;  // (linear layer, its type)
+  std::vector<Source> sources_;
 };
 
 }  // namespace
@@ -239,9 +324,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Norm>(m, "Norm").def(py::init<Tensor, double>());
   py::class_<Layer>(m, "Layer")
       .def(py::init<Norm, Norm, c10::optional<Norm>, c10::optional<Norm>, std::vector<Product>, Product,
-                    std::vector<Product>, Product, int64_t, double>());
+                    std::vector<Product>, Product, int64_t, double, int64_t, int64_t>());
   py::class_<Stack>(m, "Stack")
-      .def(py::init<std::vector<Layer>, std::vector<Tensor>>())
+      .def(py::init<std::vector<Layer>, const std::vector<py::tuple>&, std::vector<py::tuple>>())
       .def("fresh", &Stack::fresh)
       .def("forward", &Stack::forward);
 }
