@@ -16,7 +16,6 @@ from refusion.model.tiny import tiny_model
 from .test_compact import FAMILIES, forwards
 from .test_fused import KINDS, gate_adapters, model_with
 
-
 ATTENTIONS = [row_exact.EXACT_ATTENTION, "sdpa"]
 
 
@@ -135,6 +134,24 @@ def test_native_layers_follow_written_and_replaced_weights(kind):
     norm = model.model.layers[1].post_attention_layernorm
     norm.weight = nn.Parameter(norm.weight.detach() * 2)  # replaced by another tensor
     assert_same(forwards(model, compact), forwards(model, python_run(model)))
+
+
+class Negated(nn.Linear):
+    """A linear layer of a kind the C++ layers do not compute."""
+
+    def forward(self, x):
+        return -super().forward(x)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_a_layer_switched_to_another_kernel_is_computed_by_its_new_kernel(fuse):
+    model = exact_model("llama", torch.float32, seed=7)
+    compact = CompactForward(model, fuse=fuse)
+    forwards(model, compact)  # the stack is built with plain products
+    model.model.layers[1].mlp.down_proj.__class__ = Negated
+    assert_same(forwards(model, compact), forwards(model, CompactForward(model, fuse=fuse, native=False)))
+    model.model.layers[1].mlp.down_proj.__class__ = nn.Linear  # and back
+    assert_same(forwards(model, native_run(model)), forwards(model, python_run(model)))
 
 
 def test_the_python_loop_runs_where_the_native_layers_do_not_apply():

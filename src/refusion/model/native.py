@@ -104,7 +104,9 @@ class NativeLayers:
         if hidden.device.type != "cpu" or torch.is_grad_enabled() or hidden.numel() == 0:
             return None
         if self.stack is None or not self.stack.fresh():
-            self.stack = self._build()
+            self.stack = self._build() if layers_supported(self.compact.layers) else None
+            if self.stack is None:  # a layer was switched to a kernel the C++ layers do not compute
+                return None
         if hidden.dtype != torch.bfloat16 and any(kind is not nn.Linear for _, kind in self.kinds):
             return None  # packed and int4 layers multiply bf16 only (they fall back to F.linear otherwise)
         storage = cache.native_storage(*self.kv_layout, hidden.dtype)
@@ -193,15 +195,23 @@ def native_layers(compact) -> NativeLayers | None:
         return None
     if attention == "sdpa" and not sdpa_as_on_a_cpu():
         return None
+    if not layers_supported(layers):
+        return None
+    extension = native_extension()
+    return NativeLayers(compact, extension) if extension is not None else None
+
+
+def layers_supported(layers: nn.ModuleList) -> bool:
+    """Whether every decoder layer has a SiLU MLP, causal attention, and linear layers of the kinds the C++ layers
+    compute (KINDS, maybe wrapped in a mask-gated adapter)."""
     for layer in layers:
         if type(layer.mlp.act_fn) not in SILU or not getattr(layer.self_attn, "is_causal", True):
-            return None
+            return False
         members = [getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         members += [getattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
         if any(type(base_of(m)) not in KINDS for m in members):
-            return None
-    extension = native_extension()
-    return NativeLayers(compact, extension) if extension is not None else None
+            return False
+    return True
 
 
 def sdpa_as_on_a_cpu() -> bool:
