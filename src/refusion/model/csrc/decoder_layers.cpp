@@ -263,8 +263,9 @@ struct Source {
 // A model's decoder layers with the tensors they read (native.NativeLayers).
 class Stack {
  public:
-  Stack(std::vector<Layer> layers, const std::vector<py::tuple>& sources, std::vector<py::tuple> kinds)
-      : layers_(std::move(layers)), kinds_(std::move(kinds)) {
+  Stack(std::vector<Layer> layers, const std::vector<py::tuple>& sources, const std::vector<py::tuple>& kinds)
+      : layers_(std::move(layers)) {
+    for (const py::tuple& k : kinds) kinds_.emplace_back(k[0], k[1]);
     for (const py::tuple& s : sources) {
       Tensor value = s[2].cast<Tensor>();
       sources_.push_back(Source{s[0].cast<py::dict>(), s[1].cast<py::str>(), s[2], value, key_of(value)});
@@ -278,8 +279,8 @@ class Stack {
       PyObject* held = PyDict_GetItem(s.tensors.ptr(), s.name.ptr());  // borrowed
       if (held != s.tensor.ptr() || key_of(s.value) != s.key) return false;
     }
-    for (const py::tuple& k : kinds_) {
-      if (reinterpret_cast<PyObject*>(Py_TYPE(k[0].ptr())) != k[1].ptr()) return false;
+    for (const auto& [layer, type] : kinds_) {
+      if (reinterpret_cast<PyObject*>(Py_TYPE(layer.ptr())) != type.ptr()) return false;
     }
     return true;
   }
@@ -306,11 +307,12 @@ class Stack {
 
  private:
   static std::pair<int64_t, int64_t> key_of(const Tensor& t) {
-    return {reinterpret_cast<int64_t>(t.data_ptr()), t.is_inference() ? -1 : static_cast<int64_t>(t._version())};
+    return {reinterpret_cast<int64_t>(t.const_data_ptr()),
+            t.is_inference() ? -1 : static_cast<int64_t>(t.unsafeGetTensorImpl()->version_counter().current_version())};
   }
 
   std::vector<Layer> layers_;
-  std::vector<py::tuple> kinds_;  // (linear layer, its type)
+  std::vector<std::pair<py::object, py::object>> kinds_;  // (linear layer, its type)
   std::vector<Source> sources_;
 };
 
@@ -326,7 +328,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<Norm, Norm, c10::optional<Norm>, c10::optional<Norm>, std::vector<Product>, Product,
                     std::vector<Product>, Product, int64_t, double, int64_t, int64_t>());
   py::class_<Stack>(m, "Stack")
-      .def(py::init<std::vector<Layer>, const std::vector<py::tuple>&, std::vector<py::tuple>>())
+      .def(py::init<std::vector<Layer>, const std::vector<py::tuple>&, const std::vector<py::tuple>&>())
       .def("fresh", &Stack::fresh)
       .def("forward", &Stack::forward);
 }
