@@ -330,5 +330,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Stack>(m, "Stack")
       .def(py::init<std::vector<Layer>, const std::vector<py::tuple>&, const std::vector<py::tuple>&>())
       .def("fresh", &Stack::fresh)
-      .def("forward", &Stack::forward);
+      .def("forward", &Stack::forward, py::call_guard<py::gil_scoped_release>());  // other threads run meanwhile
 }
