@@ -31,8 +31,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-PROBE_WIDTHS = (1, 4, 8, 16, 32)
-"""Forward widths `measure` times; other widths are interpolated (linearly, and beyond the last one extrapolated)."""
+PROBE_WIDTHS = (1, 4, 8, 16, 32, 64)
+"""Forward widths `measure` times; other widths are interpolated (linearly, and beyond the last one extrapolated).
+64: a batch's forward counts every sequence's rows, and extrapolating from 16-32 rows, where the weights' bytes
+still dominate, priced wider forwards too low, so that batched fused planning was chosen where it lost (docs/
+BENCHMARKS.md, Current results: *Engine vs the authors' reference script*); it costs the embedded model ~0.24 s
+more per load."""
 PROBE_REPEATS = 2
 """Timed forwards per width, after one untimed round (the median counts)."""
 MAX_PROBE_SECONDS = 0.25
