@@ -157,6 +157,7 @@ def test_a_layer_switched_to_another_kernel_is_computed_by_its_new_kernel(fuse):
 def test_the_python_loop_runs_where_the_native_layers_do_not_apply():
     eager = tiny_model("llama", dtype=torch.bfloat16, attn_implementation="eager")
     assert compact_forward(eager).native is None  # another attention implementation
+    assert CompactForward(exact_model("llama").to("meta")).native is None  # not on the CPU (a GPU, say)
     model = exact_model("llama")
     compact = compact_forward(model)
     cache = SlotCache(model.config.num_hidden_layers, "cpu", 16, attention_mask_dtype(model))

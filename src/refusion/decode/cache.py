@@ -1,4 +1,5 @@
-"""The KV cache of a batch of ReFusion sequences: the only code that touches KV tensors.
+"""The KV cache of a batch of ReFusion sequences: the only code that manages KV tensors (the native decoder layers
+write a forward's entries where `native_storage` tells them, as `write` would).
 
 ReFusion needs two things from a cache that an ordinary left-to-right cache does not give:
 

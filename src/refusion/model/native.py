@@ -1,7 +1,7 @@
 """The compact forward's decoder layers in C++: the same operations, without Python between them.
 
 A one-token forward of SmolLM2-135M calls ~2,400 ATen operations besides its 121 products; called one by one
-from Python each costs a few microseconds of interpreter and dispatch on top of its work, about half of a
+from Python each costs a few microseconds of interpreter and dispatch on top of its work, about a third of a
 decoding step on a 2-core CPU. `NativeLayers` runs a `CompactForward`'s layer loop in a small C++ extension
 (`csrc/decoder_layers.cpp`) that calls the same ATen operations (the same kernels: packed bf16, int4, plain),
 in the same order and with the same dtypes, as the Python loop: norms, products (fused or not, with a
@@ -10,11 +10,12 @@ fp64-summed attention, MLP. Its logits are the Python loop's bit for bit (tests/
 guarantee of the compact forward (transformers' logits, rows as they would be alone) holds unchanged; measured
 in docs/BENCHMARKS.md, Current results: *Native decoder layers*.
 
-It applies on the CPU under inference (no autograd) to models whose attention is exact attention (the row-exact
+It applies to models on the CPU, under inference (no autograd), whose attention is exact attention (the row-exact
 setup, the default where bf16 products are exact) or transformers' sdpa (the fp32 default elsewhere), whose
-products are packed, int4 or plain, with a SiLU MLP; anything else runs the Python loop. The layers read the weights the
-Python loop would: packed and fused weights are rebuilt when a weight is written or replaced (an int4 layer's
-changed weight is refused as `Int4Linear` refuses it).
+products are packed, int4 or plain, with a SiLU MLP; anything else runs the Python loop (and compiles nothing).
+The layers read the weights the Python loop would: packed and fused weights are rebuilt when a weight is written
+or replaced, a layer switched to another kernel is followed, and an int4 layer's changed weight is refused as
+`Int4Linear` refuses it. The forward releases the GIL, so a server's other threads run meanwhile.
 
 The extension is compiled once per machine, torch version and source (~30 s with g++; `ninja` is a
 dependency) into torch's extension directory (`TORCH_EXTENSIONS_DIR`, else ~/.cache/torch_extensions) and loaded
@@ -81,9 +82,9 @@ def native_extension():
 
 
 class NativeLayers:
-    """A `CompactForward`'s decoder layers as one C++ call (see the module docstring). `layers(hidden,
-    position_embeddings, masks, cache)` returns the hidden states after the last layer, or None when this forward
-    runs the Python loop."""
+    """A `CompactForward`'s decoder layers as one C++ call (see the module docstring). Called as
+    `native(hidden, position_embeddings, masks, cache)` (masks: one per layer), it returns the hidden states after
+    the last layer, or None when this forward runs the Python loop."""
 
     def __init__(self, compact, extension):
         self.compact = compact
@@ -192,6 +193,8 @@ def native_layers(compact) -> NativeLayers | None:
     config = layers[0].self_attn.config
     attention = config._attn_implementation
     if attention not in ATTENTIONS or getattr(config, "attn_logit_softcapping", None):
+        return None
+    if any(p.device.type != "cpu" for p in layers.parameters()):  # a GPU's step is its kernels, not Python
         return None
     if attention == "sdpa" and not sdpa_as_on_a_cpu():
         return None
