@@ -99,6 +99,17 @@ def test_a_fused_product_follows_its_members_weights(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_fused_product_follows_its_members_biases(kind):
+    model = model_with(kind, "qwen2", seed=6)  # q/k/v with biases, stacked into one copy
+    compact = CompactForward(model, native=False)
+    forwards(model, compact)  # the fused weights are built
+    with torch.no_grad():
+        model.model.layers[0].self_attn.k_proj.bias.add_(1.0)  # written in place
+    for ours, theirs in zip(forwards(model, compact), forwards(model, transformers_run(model)), strict=True):
+        assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_built_forward_is_reused_until_a_member_is_replaced(kind):
     model = model_with(kind, seed=3)
     built = compact_forward(model)

@@ -120,9 +120,12 @@ def test_sliding_window_layers_get_their_own_masks(attention):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_native_layers_follow_written_and_replaced_weights(kind):
-    model = model_with(kind, seed=5)
+    model = model_with(kind, "qwen2", seed=5)  # q/k/v with biases
     compact = native_run(model)
     forwards(model, compact)  # the stack is built
+    with torch.no_grad():
+        model.model.layers[0].self_attn.v_proj.bias.add_(1.0)  # a bias written in place (stacked in a copy)
+    assert_same(forwards(model, compact), forwards(model, python_run(model)))
     q_proj = model.model.layers[0].self_attn.q_proj
     with torch.no_grad():
         q_proj.weight.mul_(-1)  # written in place

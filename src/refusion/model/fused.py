@@ -64,7 +64,7 @@ class FusedProduct:
         self.wrapped = [(i, m) for i, m in enumerate(members) if m is not self.bases[i]]
         """(position, member) of the members whose mask-gated update is added to their columns."""
         self.key: list | None = None
-        """The members' weight keys the fused weights were built from (`_keys`)."""
+        """The members' weight and bias keys the fused weights were built from (`_keys`)."""
         self.weight: torch.Tensor | None = None
         """The stacked weights as the kernel takes them (oneDNN-packed bf16, or 4-bit blocks)."""
         self.scales: torch.Tensor | None = None
@@ -100,11 +100,13 @@ class FusedProduct:
 
     def _keys(self) -> list:
         """What the fused weights must be rebuilt for: the members' weight keys (packed) or the keys their 4-bit
-        blocks were switched for (int4; a member whose weight changed since is refused)."""
+        blocks were switched for (int4; a member whose weight changed since is refused), and their bias keys (the
+        stacked bias is a copy)."""
         weights = [weight_key(b._parameters["weight"]) for b in self.bases]  # the dicts read directly: every call
         if self.kind == "int4" and weights != [b.int4_key for b in self.bases]:
             raise RuntimeError(STALE_BLOCKS)
-        return weights
+        biases = [b._parameters["bias"] for b in self.bases]
+        return weights + [None if bias is None else weight_key(bias) for bias in biases]
 
     def _build(self, keys: list) -> None:
         self.key = keys
