@@ -96,6 +96,8 @@ class NativeLayers:
         written since the stack was built means a rebuild (the stack's `fresh` checks, in C++)."""
         self.kinds: list[tuple[nn.Module, type]] = []
         """(linear layer, its type when built): a layer switched to another kernel since means a rebuild (`fresh`)."""
+        self.bf16_only = False
+        """Whether the stack has packed or int4 products, which multiply bf16 only (set when it is built)."""
         self.stack = None
         attn = compact.layers[0].self_attn
         self.kv_layout = (attn.config.num_key_value_heads, attn.head_dim)
@@ -108,8 +110,8 @@ class NativeLayers:
             self.stack = self._build() if layers_supported(self.compact.layers) else None
             if self.stack is None:  # a layer was switched to a kernel the C++ layers do not compute
                 return None
-        if hidden.dtype != torch.bfloat16 and any(kind is not nn.Linear for _, kind in self.kinds):
-            return None  # packed and int4 layers multiply bf16 only (they fall back to F.linear otherwise)
+        if self.bf16_only and hidden.dtype != torch.bfloat16:
+            return None  # packed and int4 layers fall back to F.linear then
         storage = cache.native_storage(*self.kv_layout, hidden.dtype)
         if storage is None:
             return None
@@ -137,6 +139,7 @@ class NativeLayers:
                                     q_norm, k_norm, qkv, self._product(attn.o_proj), gate_up,
                                     self._product(mlp.down_proj), attn.head_dim, attn.scaling, self.attention,
                                     attn.num_key_value_groups))
+        self.bf16_only = any(kind is not nn.Linear for _, kind in self.kinds)
         return ext.Stack(layers, self.sources, self.kinds)
 
     def _watch(self, tensors: dict, name: str) -> torch.Tensor | None:
@@ -149,9 +152,10 @@ class NativeLayers:
     def _norm(self, norm: nn.Module):
         return self.extension.Norm(self._watch(norm._parameters, "weight"), norm.variance_epsilon)
 
-    def _updates(self, members: list[nn.Module]) -> list:
+    def _updates(self, wrapped: list[tuple[int, MaskGatedLoRA]]) -> list:
+        """The mask-gated updates of (position in the product's output, member) pairs."""
         return [self.extension.Update(i, self._watch(m._buffers, "lora_a"), self._watch(m._buffers, "lora_b"))
-                for i, m in enumerate(members) if isinstance(m, MaskGatedLoRA)]
+                for i, m in wrapped]
 
     def _base(self, member: nn.Module) -> nn.Module:
         base = base_of(member)
@@ -173,7 +177,7 @@ class NativeLayers:
         else:
             scales, rows = torch.empty(0), 0
         return self.extension.Product(kind, weight, scales, bias, rows, GROUP, [base.out_features],
-                                      self._updates([member]))
+                                      self._updates([(0, member)] if member is not base else []))
 
     def _fused(self, product: FusedProduct):
         """A fused product as the C++ layers compute it (its stacked weights brought up to date)."""
@@ -183,7 +187,7 @@ class NativeLayers:
         kind = KINDS[PackedLinear] if product.kind == "packed" else KINDS[Int4Linear]
         scales = product.scales if product.scales is not None else torch.empty(0)
         return self.extension.Product(kind, product.weight, scales, product.bias, product.rows or 0, GROUP,
-                                      product.splits, self._updates(product.members))
+                                      product.splits, self._updates(product.wrapped))
 
 
 def native_layers(compact) -> NativeLayers | None:
