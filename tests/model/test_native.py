@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import refusion
-from refusion.decode.cache import SlotCache, attention_mask_dtype
+from refusion.decode.cache import PADDING, SlotCache, attention_mask_dtype
 from refusion.model import gated_lora, native, row_exact
 from refusion.model.compact import CompactForward, compact_forward
 from refusion.model.setup import setup_of
@@ -85,6 +85,39 @@ def test_one_token_forwards_without_a_mask(attention):
                 logits.append(run(torch.tensor([ids]), positions, mask, cache, len(ids)))
             cache.end_forward()
             cache.commit(0, positions[0])
+        outs.append(logits)
+    assert_same(*outs)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("dtype,attention", [(torch.bfloat16, row_exact.EXACT_ATTENTION), (torch.float32, "sdpa")])
+def test_long_forwards_at_the_embedded_models_head_size(family, dtype, attention):
+    """A 150-token prompt beside a padded 90-token one, then a 6-token forward with a mask of its own and a
+    one-token step, at head dim 64 with three query heads per KV head (the embedded model's attention): the
+    fused kernels' vectorised and parallel loops, and the prompt's columns a row does not see yet, give the
+    Python loop's logits bit for bit."""
+    model = tiny_model(family, hidden_size=192, heads=3, kv_heads=1, dtype=dtype, seed=8,
+                       attn_implementation=attention)
+    assert model.config.hidden_size // model.config.num_attention_heads == 64
+    ids = torch.randint(3, 60, (2, 150), generator=torch.Generator().manual_seed(0))
+    positions = torch.stack([torch.arange(150), (torch.arange(150) - 60).clamp(min=0)])
+    groups = torch.stack([torch.zeros(150, dtype=torch.long), torch.where(torch.arange(150) < 60, PADDING, 0)])
+    steps = [(ids, positions, groups),
+             (torch.tensor([[5, 9, 11, 4, 7, 8], [6, 63, 63, 63, 12, 13]]), torch.tensor([[150 + i for i in range(6)],
+              [90 + i for i in range(6)]]), torch.tensor([[0, 0, 0, 1, 1, 1], [0, 1, 1, 1, 2, 2]])),
+             (torch.tensor([[21], [22]]), torch.tensor([[156], [96]]), torch.tensor([[0], [0]]))]
+    outs = []
+    for run in (native_run(model), python_run(model)):
+        cache = SlotCache(model.config.num_hidden_layers, "cpu", 64, attention_mask_dtype(model),
+                          kv_dtype=row_exact.cache_dtype(model))
+        for row in range(2):
+            cache.add_sequence(row)
+        logits = []
+        with torch.inference_mode():  # the cache moves entries made under it
+            for step_ids, step_positions, step_groups in steps:
+                mask = cache.begin_forward(step_groups, step_positions)
+                logits.append(run(step_ids, step_positions, mask, cache, step_ids.shape[1]))
+                cache.end_forward()
         outs.append(logits)
     assert_same(*outs)
 

@@ -54,6 +54,9 @@ ATTENTIONS = {EXACT_ATTENTION: 0, "sdpa": 1}
 and transformers' sdpa function as it runs on a CPU."""
 SILU = (nn.SiLU, SiLUActivation)
 """The MLP activations the C++ layers compute (F.silu)."""
+CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+"""Compiler flags: no contraction of a product and a sum into an FMA (the fused kernels round as ATen's
+operations do); OpenMP for ATen's parallel loops (torch's own libgomp serves them)."""
 
 
 @functools.cache
@@ -65,14 +68,16 @@ def native_extension():
         from torch.utils import cpp_extension
 
         source = SOURCE.read_bytes()
-        tag = hashlib.sha256(source + torch.__version__.encode() + sys.version.encode()).hexdigest()[:16]
+        tag = hashlib.sha256(source + " ".join(CFLAGS).encode() + torch.__version__.encode()
+                             + sys.version.encode()).hexdigest()[:16]
         # torch's extension directory (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), one folder per source
         directory = Path(cpp_extension._get_build_directory(EXTENSION, verbose=False)) / tag
         directory.mkdir(parents=True, exist_ok=True)
         if not (directory / f"{EXTENSION}.so").exists():
             print("refusion: compiling the native decoder layers (once per machine and torch version, ~30 s)",
                   file=sys.stderr, flush=True)
-        return cpp_extension.load(EXTENSION, [str(SOURCE)], extra_cflags=["-O2"], build_directory=str(directory),
+        return cpp_extension.load(EXTENSION, [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                                  build_directory=str(directory),
                                   verbose=False)
     except Exception as e:  # no compiler, no ninja, a build error: the Python loop decodes the same tokens
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

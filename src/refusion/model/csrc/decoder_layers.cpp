@@ -5,7 +5,12 @@
 
 #include <torch/extension.h>
 
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+
+#include <cmath>
+#include <limits>
 
 using at::Tensor;
 
@@ -132,13 +137,243 @@ std::vector<Tensor> products(const std::vector<Product>& ps, const Tensor& x, co
   return outs;
 }
 
-// LlamaRMSNorm.forward (Mistral, Qwen2, Qwen3 alike)
-Tensor rms_norm(const Tensor& x, const Norm& norm) {
-  auto dtype = x.scalar_type();
-  Tensor h = x.to(at::kFloat);
+// ------------------------------------------------------------------------------------------------ fused kernels
+// Chains of element-wise ATen operations computed in one pass, element by element with the same IEEE operations
+// and roundings as the chain (each names the Python it replaces): bf16 operands widened to fp32, each
+// operation's fp32 result rounded to the dtype before the next (round to nearest even, c10's conversion), no
+// contraction into FMAs (compiled with -ffp-contract=off): the same values bit for bit. Reductions stay ATen's
+// (`sum`, `_softmax`), whose order of summation is its own. Used for bf16 and fp32 layers; other dtypes take the
+// ATen operations.
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// the hot fp64 loops compiled for AVX-512, AVX2 and baseline x86-64, the widest the CPU runs chosen at load time
+#define REFUSION_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define REFUSION_CLONES
+#endif
+
+bool fusable(const Tensor& x) {
+  return x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat;
+}
+
+template <typename T>
+inline float widen(T x) {
+  return static_cast<float>(x);
+}
+
+// an fp32 result rounded to T (c10::BFloat16's round to nearest even; nothing for fp32)
+template <typename T>
+inline T narrow(float x) {
+  return static_cast<T>(x);
+}
+
+// an fp64 value to T as ATen converts it (to fp32 first, then to T)
+template <typename T>
+inline T narrow64(double x) {
+  return static_cast<T>(static_cast<float>(x));
+}
+
+// LlamaRMSNorm.forward after an optional residual add: [hidden = residual + x;] h = hidden.to(fp32);
+// variance = h.pow(2).mean(-1, keepdim=True); h = h * rsqrt(variance + eps); weight * h.to(dtype).
+// Returns (hidden, normed). x contiguous, bf16 or fp32, weight of the same dtype.
+template <typename T>
+std::pair<Tensor, Tensor> fused_rms_norm(const c10::optional<Tensor>& residual, const Tensor& x, const Norm& norm) {
+  int64_t dim = x.size(-1), n = x.numel(), rows = dim ? n / dim : 0;
+  Tensor hidden = x;
+  if (residual) {
+    hidden = at::empty_like(x);
+    const T *a = residual->const_data_ptr<T>(), *b = x.const_data_ptr<T>();
+    T* h = hidden.mutable_data_ptr<T>();
+    for (int64_t i = 0; i < n; ++i) h[i] = narrow<T>(widen(a[i]) + widen(b[i]));  // residual + x
+  }
+  Tensor squares = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  const T* h = hidden.const_data_ptr<T>();
+  float* sq = squares.mutable_data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    float f = widen(h[i]);
+    sq[i] = f * f;  // h.pow(2)
+  }
+  // mean: ATen's sum (its order of summation), then divided by the count as ATen's mean divides; + eps in fp32
+  Tensor sums = at::sum(squares, -1, true);
+  const float* sum = sums.const_data_ptr<float>();
+  float count = static_cast<float>(dim), eps = static_cast<float>(norm.eps);
+  const T* w = norm.weight.const_data_ptr<T>();
+  Tensor out = at::empty_like(hidden);
+  T* o = out.mutable_data_ptr<T>();
+  for (int64_t row = 0; row < rows; ++row) {
+    float r = 1.0f / std::sqrt(sum[row] / count + eps);  // rsqrt(variance + eps)
+    for (int64_t i = 0; i < dim; ++i) {
+      o[row * dim + i] = narrow<T>(widen(w[i]) * widen(narrow<T>(widen(h[row * dim + i]) * r)));
+    }
+  }
+  return {hidden, out};
+}
+
+// A [B, T, heads, D] tensor's element pointer and strides (the last dimension contiguous).
+template <typename S>
+struct Heads {
+  S* data;
+  int64_t sb, st, sh;
+  explicit Heads(const Tensor& x)
+      : data(static_cast<S*>(x.data_ptr())), sb(x.stride(0)), st(x.stride(1)), sh(x.stride(2)) {}
+  S* at(int64_t b, int64_t t, int64_t h) const { return data + b * sb + t * st + h * sh; }
+};
+
+// apply_rotary_pos_emb's formula on one head's row: (x * cos) + (rotate_half(x) * sin), each product rounded to
+// T, then the sum
+template <typename T, typename Out>
+inline void rope_row(const T* x, const T* c, const T* s, int64_t dim, Out* out) {
+  int64_t half = dim / 2;
+  for (int64_t d = 0; d < dim; ++d) {
+    float rotated = d < half ? -widen(x[d + half]) : widen(x[d - half]);
+    T a = narrow<T>(widen(x[d]) * widen(c[d])), b = narrow<T>(rotated * widen(s[d]));
+    out[d] = static_cast<Out>(narrow<T>(widen(a) + widen(b)));
+  }
+}
+
+// The rotary embedding of q and k, and `SlotCache.write` of k and v: query heads rotated into `q_out` ([B, T, H, D],
+// fp64 for exact attention or T), keys rotated and values as they are into the cache storage at columns
+// [start, start + T) (KV entries fp64 or T; each value converted exactly). q, k, v: [B, T, heads, D] views;
+// cos, sin: [B, T, D] contiguous.
+template <typename T, typename Q, typename KV>
+void rope_write(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cos, const Tensor& sin,
+                const Tensor& q_out, const Tensor& keys, const Tensor& values, int64_t start) {
+  int64_t batch = q.size(0), width = q.size(1), heads = q.size(2), kv_heads = k.size(2), dim = q.size(3);
+  Heads<const T> qi(q), ki(k), vi(v);
+  Heads<Q> qo(q_out);
+  KV *kd = keys.mutable_data_ptr<KV>(), *vd = values.mutable_data_ptr<KV>();
+  int64_t capacity = keys.size(2);
+  const T *cd = cos.const_data_ptr<T>(), *sd = sin.const_data_ptr<T>();
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t t = 0; t < width; ++t) {
+      const T *c = cd + (b * width + t) * dim, *s = sd + (b * width + t) * dim;
+      for (int64_t h = 0; h < heads; ++h) rope_row<T, Q>(qi.at(b, t, h), c, s, dim, qo.at(b, t, h));
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        int64_t entry = ((b * kv_heads + g) * capacity + start + t) * dim;
+        rope_row<T, KV>(ki.at(b, t, g), c, s, dim, kd + entry);
+        const T* x = vi.at(b, t, g);
+        for (int64_t d = 0; d < dim; ++d) vd[entry + d] = static_cast<KV>(x[d]);
+      }
+    }
+  }
+}
+
+// fp64 dot products of a query row with `length` key rows: products of bf16 numbers are exact in fp64 and so
+// are their sums, whatever the order (row_exact's docstring); here 8 partial sums, then their sum
+REFUSION_CLONES void key_dots(const double* q, const double* keys, int64_t length, int64_t dim, double* out) {
+  for (int64_t j = 0; j < length; ++j) {
+    const double* k = keys + j * dim;
+    double lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t d = 0;
+    for (; d + 8 <= dim; d += 8) {
+      for (int l = 0; l < 8; ++l) lanes[l] += q[d + l] * k[d + l];
+    }
+    for (; d < dim; ++d) lanes[0] += q[d] * k[d];
+    out[j] = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  }
+}
+
+// out[d] = sum_j w[j] * values[j][d] in fp64 (exact products of bf16 numbers); zero weights add nothing
+REFUSION_CLONES void weighted_values(const double* w, const double* values, int64_t length, int64_t dim,
+                                     double* out) {
+  for (int64_t d = 0; d < dim; ++d) out[d] = 0;
+  for (int64_t j = 0; j < length; ++j) {
+    if (w[j] == 0) continue;
+    const double *v = values + j * dim, wj = w[j];
+    for (int64_t d = 0; d < dim; ++d) out[d] += wj * v[d];
+  }
+}
+
+// row_exact.exact_attention over the cache's fp64 entries: scores = float(q . k * scaling + mask) (each in fp64),
+// softmax in fp32 (ATen's), weights rounded to T, their product with the values summed in fp64, rounded to T.
+// q: [B, T, H, D] fp64 contiguous; keys, values: the cache storage [B, H_kv, capacity, D] fp64, attended up to
+// column `length`; mask: additive [B, 1, T, >= length] or none. Returns [B, T, H * D] in T.
+// Columns past the last one a query row sees (mask at its dtype's lowest) are not multiplied: their score is the
+// mask's value, whose weight is 0 after the softmax as it would be with the product added.
+template <typename T>
+Tensor fused_exact_attention(const Tensor& q, const Tensor& keys, const Tensor& values,
+                             const c10::optional<Tensor>& mask, double scaling, int64_t length) {
+  int64_t batch = q.size(0), width = q.size(1), heads = q.size(2), dim = q.size(3);
+  int64_t kv_heads = keys.size(1), capacity = keys.size(2), groups = heads / kv_heads;
+  Tensor scores = at::empty({batch, heads, width, length}, q.options().dtype(at::kFloat));
+  const double *qd = q.const_data_ptr<double>(), *kd = keys.const_data_ptr<double>();
+  float* sd = scores.mutable_data_ptr<float>();
+  int64_t rows = batch * heads * width;
+  int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(1, length * dim));
+  Tensor m;
+  double lowest = 0;
+  int64_t mb = 0, mt = 0;
+  if (mask) {
+    m = mask->contiguous();
+    mb = m.stride(0), mt = m.stride(2);
+    lowest = m.scalar_type() == at::kDouble ? std::numeric_limits<double>::lowest()
+             : m.scalar_type() == at::kFloat ? std::numeric_limits<float>::lowest()
+             : m.scalar_type() == at::kBFloat16 ? static_cast<double>(std::numeric_limits<c10::BFloat16>::lowest())
+                                               : static_cast<double>(std::numeric_limits<c10::Half>::lowest());
+  }
+  at::ScalarType mask_type = mask ? m.scalar_type() : at::kDouble;
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<double> dots(length), masked(mask ? length : 0);
+    for (int64_t r = begin; r < end; ++r) {
+      int64_t b = r / (heads * width), h = r / width % heads, t = r % width, g = h / groups;
+      float* out = sd + r * length;
+      int64_t seen = length;  // columns up to the last one the row sees
+      if (mask) {
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, mask_type, "mask", [&] {
+          const scalar_t* row = m.const_data_ptr<scalar_t>() + b * mb + t * mt;
+          for (int64_t j = 0; j < length; ++j) masked[j] = static_cast<double>(row[j]);
+        });
+        while (seen > 0 && (masked[seen - 1] <= lowest)) --seen;
+      }
+      key_dots(qd + ((b * width + t) * heads + h) * dim, kd + (b * kv_heads + g) * capacity * dim, seen, dim,
+               dots.data());
+      for (int64_t j = 0; j < seen; ++j) {
+        double score = dots[j] * scaling;
+        if (mask) score = score + masked[j];
+        out[j] = static_cast<float>(score);
+      }
+      for (int64_t j = seen; j < length; ++j) out[j] = static_cast<float>(masked[j]);
+    }
+  });
+  Tensor weights = at::_softmax(scores, -1, false);
+  Tensor result = at::empty({batch, width, heads * dim}, q.options().dtype(c10::CppTypeToScalarType<T>::value));
+  const float* wd = weights.const_data_ptr<float>();
+  const double* vd = values.const_data_ptr<double>();
+  T* od = result.mutable_data_ptr<T>();
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<double> w(length), acc(dim);
+    for (int64_t r = begin; r < end; ++r) {
+      int64_t b = r / (heads * width), h = r / width % heads, t = r % width, g = h / groups;
+      const float* row = wd + r * length;
+      for (int64_t j = 0; j < length; ++j) w[j] = static_cast<double>(narrow<T>(row[j]));  // .to(dtype).double()
+      weighted_values(w.data(), vd + (b * kv_heads + g) * capacity * dim, length, dim, acc.data());
+      T* out = od + (b * width + t) * heads * dim + h * dim;
+      for (int64_t d = 0; d < dim; ++d) out[d] = narrow64<T>(acc[d]);
+    }
+  });
+  return result;
+}
+
+// LlamaRMSNorm.forward (Mistral, Qwen2, Qwen3 alike) after an optional residual add: (hidden, normed)
+std::pair<Tensor, Tensor> add_rms_norm(const c10::optional<Tensor>& residual, const Tensor& x, const Norm& norm) {
+  bool fused = fusable(x) && x.is_contiguous() && norm.weight.scalar_type() == x.scalar_type() &&
+               norm.weight.is_contiguous() && norm.weight.numel() == x.size(-1) &&
+               (!residual || (residual->scalar_type() == x.scalar_type() && residual->is_contiguous() &&
+                              residual->sizes() == x.sizes()));
+  if (fused) {
+    return x.scalar_type() == at::kBFloat16 ? fused_rms_norm<c10::BFloat16>(residual, x, norm)
+                                            : fused_rms_norm<float>(residual, x, norm);
+  }
+  Tensor hidden = residual ? *residual + x : x;
+  auto dtype = hidden.scalar_type();
+  Tensor h = hidden.to(at::kFloat);
   Tensor variance = h.pow(2).mean(-1, true);
   h = h * at::rsqrt(variance + norm.eps);
-  return norm.weight * h.to(dtype);
+  return {hidden, norm.weight * h.to(dtype)};
+}
+
+Tensor rms_norm(const Tensor& x, const Norm& norm) {
+  return add_rms_norm(c10::nullopt, x, norm).second;
 }
 
 // rotate_half
@@ -206,25 +441,75 @@ Tensor rotary(const Tensor& x, const Tensor& c, const Tensor& s) {
   return (x * c) + (rotate_half(x) * s);
 }
 
+// The attention block's work between its products with the fused kernels: q and k (after their norms, Qwen3)
+// rotated, k and v written to the cache, attention over it. Returns [B, T, H * D] for the output product, or an
+// undefined tensor where they do not apply (the ATen operations run then): bf16 or fp32 layers, cos and sin of
+// their dtype, and exact attention over fp64 entries or sdpa over entries of the layers' dtype.
+Tensor fused_attention(const Layer& layer, const std::vector<Tensor>& qkv, const Tensor& cos, const Tensor& sin,
+                       const c10::optional<Tensor>& mask, const Tensor& keys, const Tensor& values, int64_t start) {
+  const Tensor& x = qkv[0];
+  int64_t batch = x.size(0), width = x.size(1), dim = layer.head_dim;
+  auto dtype = x.scalar_type();
+  bool exact = layer.attention == kExact;
+  if (!fusable(x) || cos.scalar_type() != dtype || sin.scalar_type() != dtype || cos.dim() != 3 ||
+      cos.size(0) != batch || cos.size(1) != width || cos.size(2) != dim || !cos.is_contiguous() ||
+      !sin.is_contiguous() || cos.sizes() != sin.sizes() || !keys.is_contiguous() || !values.is_contiguous() ||
+      keys.scalar_type() != (exact ? at::kDouble : dtype) || values.scalar_type() != keys.scalar_type() ||
+      keys.size(3) != dim || values.size(3) != dim) {
+    return Tensor();
+  }
+  if (exact && mask && (!mask->is_floating_point() || mask->size(0) != batch || mask->size(2) != width)) {
+    return Tensor();
+  }
+  Tensor q = x.view({batch, width, -1, dim});
+  Tensor k = qkv[1].view({batch, width, -1, dim}), v = qkv[2].view({batch, width, -1, dim});
+  if (layer.q_norm) {
+    q = rms_norm(q, *layer.q_norm);
+    k = rms_norm(k, *layer.k_norm);
+  }
+  int64_t end = start + width;
+  Tensor q_out = at::empty(q.sizes(), q.options().dtype(exact ? at::kDouble : dtype));
+  if (dtype == at::kBFloat16) {
+    using T = c10::BFloat16;
+    if (exact) {
+      rope_write<T, double, double>(q, k, v, cos, sin, q_out, keys, values, start);
+      return fused_exact_attention<T>(q_out, keys, values, mask, layer.scaling, end);
+    }
+    rope_write<T, T, T>(q, k, v, cos, sin, q_out, keys, values, start);
+  } else {
+    if (exact) {
+      rope_write<float, double, double>(q, k, v, cos, sin, q_out, keys, values, start);
+      return fused_exact_attention<float>(q_out, keys, values, mask, layer.scaling, end);
+    }
+    rope_write<float, float, float>(q, k, v, cos, sin, q_out, keys, values, start);
+  }
+  Tensor out = sdpa_attention(q_out.transpose(1, 2), keys.slice(2, 0, end), values.slice(2, 0, end), mask,
+                              layer.scaling, layer.kv_groups);
+  return out.reshape({batch, width, -1}).contiguous();
+}
+
 // CompactForward._attention with apply_rotary_pos_emb, SlotCache.write (native.py: `SlotCache.native_storage`) and
 // the model's attention function.
 // Where q and k are adjacent columns of one fused product and no per-head norm comes between (Llama, Mistral,
 // Qwen2), RoPE runs once over both: every element gets the same operations on the same numbers as in two calls.
-Tensor attention(const Layer& layer, const Tensor& hidden, const Tensor& c, const Tensor& s,
-                 const c10::optional<Tensor>& mask, Tensor& keys, Tensor& values, int64_t start, const MaskRows& m) {
+Tensor attention(const Layer& layer, const Tensor& hidden, const Tensor& cos, const Tensor& sin, const Tensor& c,
+                 const Tensor& s, const c10::optional<Tensor>& mask, Tensor& keys, Tensor& values, int64_t start,
+                 const MaskRows& m) {
   int64_t batch = hidden.size(0), width = hidden.size(1), dim = layer.head_dim;
   Tensor query, key;
   std::vector<Tensor> qkv;
-  if (layer.qkv.size() == 1 && !layer.q_norm) {
-    Tensor whole;
-    qkv = product(layer.qkv[0], hidden, m, &whole);
+  Tensor whole;
+  bool adjacent = layer.qkv.size() == 1 && !layer.q_norm;
+  qkv = adjacent ? product(layer.qkv[0], hidden, m, &whole) : products(layer.qkv, hidden, m);
+  Tensor fused = fused_attention(layer, qkv, cos, sin, mask, keys, values, start);
+  if (fused.defined()) return product(layer.o, fused, m)[0];
+  if (adjacent) {
     int64_t heads = qkv[0].size(-1) / dim, kv_heads = qkv[1].size(-1) / dim;
     Tensor both = rotary(whole.slice(-1, 0, (heads + kv_heads) * dim).view({batch, width, -1, dim}).transpose(1, 2),
                          c, s);
     query = both.slice(1, 0, heads);
     key = both.slice(1, heads);
   } else {
-    qkv = products(layer.qkv, hidden, m);
     query = qkv[0].view({batch, width, -1, dim});
     key = qkv[1].view({batch, width, -1, dim});
     if (layer.q_norm) {
@@ -293,14 +578,20 @@ class Stack {
     TORCH_CHECK(masks.size() == layers_.size() && keys.size() == layers_.size() && values.size() == layers_.size(),
                 "one mask, key and value storage per layer");
     MaskRows m{mask_active, mask_gated, mask_dense, mask_rows};
+    if (layers_.empty()) return hidden;
     Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
+    // each residual add is done with the norm after it (add_rms_norm), the last one alone
+    Tensor normed = rms_norm(hidden, layers_[0].input);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
-      Tensor residual = hidden;
-      hidden = residual + attention(layer, rms_norm(hidden, layer.input), c, s, masks[i], keys[i], values[i],
-                                    start, m);
-      residual = hidden;
-      hidden = residual + mlp(layer, rms_norm(hidden, layer.post), m);
+      Tensor out = attention(layer, normed, cos, sin, c, s, masks[i], keys[i], values[i], start, m);
+      std::tie(hidden, normed) = add_rms_norm(hidden, out, layer.post);
+      out = mlp(layer, normed, m);
+      if (i + 1 < layers_.size()) {
+        std::tie(hidden, normed) = add_rms_norm(hidden, out, layers_[i + 1].input);
+      } else {
+        hidden = hidden + out;
+      }
     }
     return hidden;
   }
