@@ -74,3 +74,15 @@ def test_decoder_add_samples_at_random_without_a_seed(model):
     seq = decoder.add(PROMPTS[0], cfg, mask_token_id=TINY_MASK_ID, eos_token_ids=[])
     decoder.run()
     assert len(seq.response()) == 8
+
+
+def test_a_model_in_training_decodes_in_eval_mode_and_is_given_back_training():
+    model = tiny_model("llama", seed=2)
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5  # dropout that would change the tokens if it ran
+    cfg = refusion.DecodeConfig(max_new_tokens=8, strategy="autoregressive", eos_token_id=[])
+    expected = refusion.generate(model, PROMPTS, cfg).sequences
+    assert not any(m.training for m in model.modules())  # an eval model is left as it was
+    model.train()
+    assert refusion.generate(model, PROMPTS, cfg).sequences == expected
+    assert all(m.training for m in model.modules())

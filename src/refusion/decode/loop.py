@@ -330,7 +330,9 @@ def generate(model, input_ids, cfg: DecodeConfig | None = None, *, attention_mas
     mask_id, eos_ids = tokens.mask_token_id, list(tokens.eos_token_ids)
     grammar = response_grammar(model, cfg, response_format, tokenizer, eos_ids)
     was_training = model.training
-    model.eval()
+    switched = any(m.training for m in model.modules())  # eval() walks every module: ~5 ms for 600 of them
+    if switched:
+        model.eval()
     start = time.perf_counter()
     try:
         decoder = Decoder(model, capacity=max(map(len, prompts)) + cfg.canvas_length + 2 * cfg.block_size,
@@ -340,7 +342,8 @@ def generate(model, input_ids, cfg: DecodeConfig | None = None, *, attention_mas
                 for i, p in enumerate(prompts)]
         decoder.run()
     finally:
-        model.train(was_training)
+        if switched:
+            model.train(was_training)
     sequences = [s.response() for s in seqs]
     batch = decoder.stats
     batch.seconds = time.perf_counter() - start
