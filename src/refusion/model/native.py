@@ -58,9 +58,12 @@ ATTENTIONS = {EXACT_ATTENTION: 0, "sdpa": 1}
 and transformers' sdpa function as it runs on a CPU."""
 SILU = (nn.SiLU, SiLUActivation)
 """The MLP activations the C++ layers compute (F.silu)."""
-CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []
+"""OpenMP for ATen's parallel loops in the extension, on Linux, where torch's own libgomp serves them (elsewhere
+they run on one thread: the same results)."""
+CFLAGS = ["-O3", "-ffp-contract=off", *OPENMP]
 """Compiler flags: no contraction of a product and a sum into an FMA (the fused kernels round as ATen's
-operations do); OpenMP for ATen's parallel loops (torch's own libgomp serves them)."""
+operations do)."""
 
 
 @functools.cache
@@ -80,7 +83,7 @@ def native_extension():
         if not (directory / f"{EXTENSION}.so").exists():
             print("refusion: compiling the native decoder layers (once per machine and torch version, ~30 s)",
                   file=sys.stderr, flush=True)
-        return cpp_extension.load(EXTENSION, [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+        return cpp_extension.load(EXTENSION, [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=OPENMP,
                                   build_directory=str(directory),
                                   verbose=False)
     except Exception as e:  # no compiler, no ninja, a build error: the Python loop decodes the same tokens
