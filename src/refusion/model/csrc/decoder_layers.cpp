@@ -451,7 +451,7 @@ Tensor fused_attention(const Layer& layer, const std::vector<Tensor>& qkv, const
   int64_t batch = x.size(0), width = x.size(1), dim = layer.head_dim;
   auto dtype = x.scalar_type();
   bool exact = layer.attention == kExact;
-  if (!fusable(x) || cos.scalar_type() != dtype || sin.scalar_type() != dtype || cos.dim() != 3 ||
+  if (!fusable(x) || dim % 2 != 0 || cos.scalar_type() != dtype || sin.scalar_type() != dtype || cos.dim() != 3 ||
       cos.size(0) != batch || cos.size(1) != width || cos.size(2) != dim || !cos.is_contiguous() ||
       !sin.is_contiguous() || cos.sizes() != sin.sizes() || !keys.is_contiguous() || !values.is_contiguous() ||
       keys.scalar_type() != (exact ? at::kDouble : dtype) || values.scalar_type() != keys.scalar_type() ||
