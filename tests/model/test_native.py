@@ -204,6 +204,18 @@ def test_the_python_loop_runs_where_the_native_layers_do_not_apply():
         assert compact.native(hidden, embeddings, [None] * 2, cache) is None
 
 
+def test_loading_the_extension_again_reuses_its_build():
+    """torch's loader extends the flag lists it is given: were they the module's own, a second load in the same
+    process (a cleared cache, a test) would see other flags, rename the extension and compile it again (~30 s),
+    and the next process would compile once more."""
+    assert native.native_extension() is not None
+    flags = (list(native.CFLAGS), list(native.OPENMP))
+    native.native_extension.cache_clear()
+    again = native.native_extension()
+    assert again is not None and again.__name__ == native.EXTENSION
+    assert flags == (native.CFLAGS, native.OPENMP)
+
+
 def test_refusion_native_0_skips_the_extension_and_a_failed_build_warns(monkeypatch):
     from torch.utils import cpp_extension
 

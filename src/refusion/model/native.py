@@ -83,9 +83,8 @@ def native_extension():
         if not (directory / f"{EXTENSION}.so").exists():
             print("refusion: compiling the native decoder layers (once per machine and torch version, ~30 s)",
                   file=sys.stderr, flush=True)
-        return cpp_extension.load(EXTENSION, [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=OPENMP,
-                                  build_directory=str(directory),
-                                  verbose=False)
+        return cpp_extension.load(EXTENSION, [str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=list(OPENMP),
+                                  build_directory=str(directory), verbose=False)  # copies: load extends them
     except Exception as e:  # no compiler, no ninja, a build error: the Python loop decodes the same tokens
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         warnings.warn(f"refusion: the native decoder layers could not be built ({reason}); decoding runs the "
