@@ -7,7 +7,8 @@ decoding step on a 2-core CPU. `NativeLayers` runs a `CompactForward`'s layer lo
 not, with a mask-gated adapter's updates), and what lies between them in a few fused passes that compute every
 element with the operations and roundings of the Python loop's chain of ATen operations (bf16 widened to fp32,
 each result rounded back as ATen rounds it, no FMA contraction): the norm with the residual add before it,
-rotary embedding with the KV entries written where `SlotCache.write` writes them, and exact attention over the
+a mask-gated update added to its product's output, rotary embedding with the KV entries written where
+`SlotCache.write` writes them, and exact attention over the
 cache's fp64 entries (products of bf16 numbers, exact in fp64, summed in an order of its own, which does not
 change an exact sum; ATen's own sum and softmax for the reductions whose order does matter). SiLU and sdpa stay
 ATen's. Its logits are the Python loop's bit for bit (tests/model/test_native.py), so every guarantee of the

@@ -79,64 +79,6 @@ Tensor packed_product(const Tensor& x, const Tensor& weight, const c10::optional
   return op.call(x, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
 }
 
-// MaskGatedLoRA.add_update
-void add_update(const Update& u, const Tensor& x, const Tensor& out, const MaskRows& m) {
-  Tensor flat_x = x.reshape({-1, x.size(-1)});
-  Tensor flat_out = out.view({-1, out.size(-1)});
-  if (m.gated) {
-    Tensor low = at::mm(flat_x.to(u.a.scalar_type()), u.a).mul_(m.dense->reshape({-1, 1}));
-    if (flat_out.scalar_type() == low.scalar_type()) {
-      flat_out.addmm_(low, u.b);
-    } else {
-      flat_out.add_(at::mm(low, u.b).to(flat_out.scalar_type()));
-    }
-  } else {
-    Tensor low = at::mm(flat_x.index_select(0, *m.rows).to(u.a.scalar_type()), u.a);
-    flat_out.index_add_(0, *m.rows, at::mm(low, u.b).to(flat_out.scalar_type()));
-  }
-}
-
-// FusedProduct.__call__, PackedLinear.forward (chunked_product), Int4Linear.forward, nn.Linear.forward, and the
-// MaskGatedLoRA updates of the members: the members' outputs in order (views of `*whole`, when asked for)
-std::vector<Tensor> product(const Product& p, const Tensor& x, const MaskRows& m, Tensor* whole = nullptr) {
-  Tensor out;
-  if (p.kind == kPlain) {
-    out = at::linear(x, p.weight, p.bias);
-  } else {
-    Tensor flat = x.reshape({-1, x.size(-1)});
-    if (p.kind == kPacked) {
-      if (flat.size(0) <= p.rows) {
-        out = packed_product(flat, p.weight, p.bias);
-      } else {
-        std::vector<Tensor> chunks;
-        for (const Tensor& chunk : flat.split(p.rows)) chunks.push_back(packed_product(chunk, p.weight, p.bias));
-        out = at::cat(chunks);
-      }
-    } else {
-      out = at::_weight_int4pack_mm_for_cpu(flat.contiguous(), p.weight, p.group, p.scales);
-      if (p.bias) out = out + *p.bias;
-    }
-    std::vector<int64_t> shape = x.sizes().vec();
-    shape.back() = out.size(-1);
-    out = out.view(shape);
-  }
-  std::vector<Tensor> parts = p.splits.size() == 1 ? std::vector<Tensor>{out} : out.split_with_sizes(p.splits, -1);
-  if (m.active) {
-    for (const Update& u : p.updates) add_update(u, x, parts[u.part], m);
-  }
-  if (whole != nullptr) *whole = out;
-  return parts;
-}
-
-// the members' outputs of a block's products, in order
-std::vector<Tensor> products(const std::vector<Product>& ps, const Tensor& x, const MaskRows& m) {
-  std::vector<Tensor> outs;
-  for (const Product& p : ps) {
-    for (Tensor& part : product(p, x, m)) outs.push_back(std::move(part));
-  }
-  return outs;
-}
-
 // ------------------------------------------------------------------------------------------------ fused kernels
 // Chains of element-wise ATen operations computed in one pass, element by element with the same IEEE operations
 // and roundings as the chain (each names the Python it replaces): bf16 operands widened to fp32, each
@@ -171,6 +113,97 @@ inline T narrow(float x) {
 template <typename T>
 inline T narrow64(double x) {
   return static_cast<T>(static_cast<float>(x));
+}
+
+// flat_out (bf16 or fp32, columns contiguous) += product.to(flat_out's dtype), at `rows` of flat_out when given,
+// in one pass: ATen's `.to(dtype)` then `add_` / `index_add_` (each sum in fp32, rounded to the dtype)
+template <typename T>
+void add_rounded(const Tensor& flat_out, const Tensor& product, const c10::optional<Tensor>& rows) {
+  int64_t n = product.size(0), cols = product.size(1), stride = flat_out.stride(0);
+  const float* src = product.const_data_ptr<float>();
+  T* dst = flat_out.mutable_data_ptr<T>();
+  const int64_t* index = rows ? rows->const_data_ptr<int64_t>() : nullptr;
+  for (int64_t r = 0; r < n; ++r) {
+    T* o = dst + (index ? index[r] : r) * stride;
+    const float* v = src + r * cols;
+    for (int64_t c = 0; c < cols; ++c) o[c] = narrow<T>(widen(o[c]) + widen(narrow<T>(v[c])));
+  }
+}
+
+// MaskGatedLoRA.add_update; `low_x`: the rows it multiplies (every row, or the mask rows), in A's dtype, shared
+// by the members of one product
+void add_update(const Update& u, const Tensor& low_x, const Tensor& out, const MaskRows& m) {
+  Tensor flat_out = out.view({-1, out.size(-1)});
+  Tensor low = at::mm(low_x, u.a);
+  if (m.gated) low.mul_(m.dense->reshape({-1, 1}));
+  if (m.gated && flat_out.scalar_type() == low.scalar_type()) {
+    flat_out.addmm_(low, u.b);
+    return;
+  }
+  Tensor product = at::mm(low, u.b);
+  bool fused = fusable(flat_out) && product.scalar_type() == at::kFloat && product.is_contiguous() &&
+               flat_out.stride(1) == 1 && (m.gated || (m.rows->scalar_type() == at::kLong && m.rows->is_contiguous()));
+  c10::optional<Tensor> rows = m.gated ? c10::nullopt : m.rows;
+  if (fused && flat_out.scalar_type() == at::kBFloat16) {
+    add_rounded<c10::BFloat16>(flat_out, product, rows);
+  } else if (fused) {
+    add_rounded<float>(flat_out, product, rows);
+  } else if (m.gated) {
+    flat_out.add_(product.to(flat_out.scalar_type()));
+  } else {
+    flat_out.index_add_(0, *m.rows, product.to(flat_out.scalar_type()));
+  }
+}
+
+// The rows an update multiplies, in `dtype`: every row of x (the gate zeroes the others) or the mask rows
+Tensor update_rows(const Tensor& x, const MaskRows& m, at::ScalarType dtype) {
+  Tensor flat_x = x.reshape({-1, x.size(-1)});
+  return (m.gated ? flat_x : flat_x.index_select(0, *m.rows)).to(dtype);
+}
+
+// FusedProduct.__call__, PackedLinear.forward (chunked_product), Int4Linear.forward, nn.Linear.forward, and the
+// MaskGatedLoRA updates of the members: the members' outputs in order (views of `*whole`, when asked for)
+std::vector<Tensor> product(const Product& p, const Tensor& x, const MaskRows& m, Tensor* whole = nullptr) {
+  Tensor out;
+  if (p.kind == kPlain) {
+    out = at::linear(x, p.weight, p.bias);
+  } else {
+    Tensor flat = x.reshape({-1, x.size(-1)});
+    if (p.kind == kPacked) {
+      if (flat.size(0) <= p.rows) {
+        out = packed_product(flat, p.weight, p.bias);
+      } else {
+        std::vector<Tensor> chunks;
+        for (const Tensor& chunk : flat.split(p.rows)) chunks.push_back(packed_product(chunk, p.weight, p.bias));
+        out = at::cat(chunks);
+      }
+    } else {
+      out = at::_weight_int4pack_mm_for_cpu(flat.contiguous(), p.weight, p.group, p.scales);
+      if (p.bias) out = out + *p.bias;
+    }
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape.back() = out.size(-1);
+    out = out.view(shape);
+  }
+  std::vector<Tensor> parts = p.splits.size() == 1 ? std::vector<Tensor>{out} : out.split_with_sizes(p.splits, -1);
+  if (m.active) {
+    Tensor low_x;  // converted once for the members that share x
+    for (const Update& u : p.updates) {
+      if (!low_x.defined() || low_x.scalar_type() != u.a.scalar_type()) low_x = update_rows(x, m, u.a.scalar_type());
+      add_update(u, low_x, parts[u.part], m);
+    }
+  }
+  if (whole != nullptr) *whole = out;
+  return parts;
+}
+
+// the members' outputs of a block's products, in order
+std::vector<Tensor> products(const std::vector<Product>& ps, const Tensor& x, const MaskRows& m) {
+  std::vector<Tensor> outs;
+  for (const Product& p : ps) {
+    for (Tensor& part : product(p, x, m)) outs.push_back(std::move(part));
+  }
+  return outs;
 }
 
 // LlamaRMSNorm.forward after an optional residual add: [hidden = residual + x;] h = hidden.to(fp32);
