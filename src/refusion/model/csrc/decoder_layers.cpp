@@ -10,6 +10,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <limits>
 
 using at::Tensor;
@@ -115,6 +117,72 @@ inline T narrow64(double x) {
   return static_cast<T>(static_cast<float>(x));
 }
 
+// bf16 <-> fp32 on the raw bits, as c10::BFloat16 converts (its round to nearest even, 0x7FC0 for NaN), written
+// without branches so that the loops below vectorise: the passes over many rows (prefill, verify forwards) run
+// at the vector width instead of one element at a time
+using bf16_bits = uint16_t;
+
+inline float bf16_float(bf16_bits h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline bf16_bits float_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  auto rounded = static_cast<bf16_bits>((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
+  return f != f ? static_cast<bf16_bits>(0x7FC0) : rounded;
+}
+
+inline const bf16_bits* bits(const c10::BFloat16* x) {
+  return reinterpret_cast<const bf16_bits*>(x);
+}
+
+inline bf16_bits* bits(c10::BFloat16* x) {
+  return reinterpret_cast<bf16_bits*>(x);
+}
+
+// out = a + b (bf16)
+REFUSION_CLONES void bf16_add(const bf16_bits* a, const bf16_bits* b, bf16_bits* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = float_bf16(bf16_float(a[i]) + bf16_float(b[i]));
+}
+
+// squares[i] = float(h[i])^2
+REFUSION_CLONES void bf16_squares(const bf16_bits* h, float* squares, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    float f = bf16_float(h[i]);
+    squares[i] = f * f;
+  }
+}
+
+// out = weight * bf16(h * r) (bf16), one row
+REFUSION_CLONES void bf16_normalize(const bf16_bits* h, const bf16_bits* w, float r, bf16_bits* out, int64_t dim) {
+  for (int64_t i = 0; i < dim; ++i) out[i] = float_bf16(bf16_float(w[i]) * bf16_float(float_bf16(bf16_float(h[i]) * r)));
+}
+
+// (x * cos) + (rotate_half(x) * sin) for one head's row (bf16); the two halves apart, so that each loop vectorises
+REFUSION_CLONES void bf16_rope(const bf16_bits* x, const bf16_bits* c, const bf16_bits* s, int64_t dim,
+                               bf16_bits* out) {
+  int64_t half = dim / 2;
+  for (int64_t d = 0; d < half; ++d) {
+    bf16_bits a = float_bf16(bf16_float(x[d]) * bf16_float(c[d]));
+    bf16_bits b = float_bf16(-bf16_float(x[d + half]) * bf16_float(s[d]));
+    out[d] = float_bf16(bf16_float(a) + bf16_float(b));
+  }
+  for (int64_t d = half; d < dim; ++d) {
+    bf16_bits a = float_bf16(bf16_float(x[d]) * bf16_float(c[d]));
+    bf16_bits b = float_bf16(bf16_float(x[d - half]) * bf16_float(s[d]));
+    out[d] = float_bf16(bf16_float(a) + bf16_float(b));
+  }
+}
+
+// out += bf16(v) (bf16), one row
+REFUSION_CLONES void bf16_add_rounded(bf16_bits* out, const float* v, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = float_bf16(bf16_float(out[i]) + bf16_float(float_bf16(v[i])));
+}
+
 // flat_out (bf16 or fp32, columns contiguous) += product.to(flat_out's dtype), at `rows` of flat_out when given,
 // in one pass: ATen's `.to(dtype)` then `add_` / `index_add_` (each sum in fp32, rounded to the dtype)
 template <typename T>
@@ -126,7 +194,11 @@ void add_rounded(const Tensor& flat_out, const Tensor& product, const c10::optio
   for (int64_t r = 0; r < n; ++r) {
     T* o = dst + (index ? index[r] : r) * stride;
     const float* v = src + r * cols;
-    for (int64_t c = 0; c < cols; ++c) o[c] = narrow<T>(widen(o[c]) + widen(narrow<T>(v[c])));
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      bf16_add_rounded(bits(o), v, cols);
+    } else {
+      for (int64_t c = 0; c < cols; ++c) o[c] = narrow<T>(widen(o[c]) + widen(narrow<T>(v[c])));
+    }
   }
 }
 
@@ -213,18 +285,27 @@ template <typename T>
 std::pair<Tensor, Tensor> fused_rms_norm(const c10::optional<Tensor>& residual, const Tensor& x, const Norm& norm) {
   int64_t dim = x.size(-1), n = x.numel(), rows = dim ? n / dim : 0;
   Tensor hidden = x;
+  constexpr bool bf16 = std::is_same_v<T, c10::BFloat16>;
   if (residual) {
     hidden = at::empty_like(x);
     const T *a = residual->const_data_ptr<T>(), *b = x.const_data_ptr<T>();
     T* h = hidden.mutable_data_ptr<T>();
-    for (int64_t i = 0; i < n; ++i) h[i] = narrow<T>(widen(a[i]) + widen(b[i]));  // residual + x
+    if constexpr (bf16) {
+      bf16_add(bits(a), bits(b), bits(h), n);
+    } else {
+      for (int64_t i = 0; i < n; ++i) h[i] = narrow<T>(widen(a[i]) + widen(b[i]));  // residual + x
+    }
   }
   Tensor squares = at::empty(x.sizes(), x.options().dtype(at::kFloat));
   const T* h = hidden.const_data_ptr<T>();
   float* sq = squares.mutable_data_ptr<float>();
-  for (int64_t i = 0; i < n; ++i) {
-    float f = widen(h[i]);
-    sq[i] = f * f;  // h.pow(2)
+  if constexpr (bf16) {
+    bf16_squares(bits(h), sq, n);
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      float f = widen(h[i]);
+      sq[i] = f * f;  // h.pow(2)
+    }
   }
   // mean: ATen's sum (its order of summation), then divided by the count as ATen's mean divides; + eps in fp32
   Tensor sums = at::sum(squares, -1, true);
@@ -235,8 +316,12 @@ std::pair<Tensor, Tensor> fused_rms_norm(const c10::optional<Tensor>& residual, 
   T* o = out.mutable_data_ptr<T>();
   for (int64_t row = 0; row < rows; ++row) {
     float r = 1.0f / std::sqrt(sum[row] / count + eps);  // rsqrt(variance + eps)
-    for (int64_t i = 0; i < dim; ++i) {
-      o[row * dim + i] = narrow<T>(widen(w[i]) * widen(narrow<T>(widen(h[row * dim + i]) * r)));
+    if constexpr (bf16) {
+      bf16_normalize(bits(h + row * dim), bits(w), r, bits(o + row * dim), dim);
+    } else {
+      for (int64_t i = 0; i < dim; ++i) {
+        o[row * dim + i] = narrow<T>(widen(w[i]) * widen(narrow<T>(widen(h[row * dim + i]) * r)));
+      }
     }
   }
   return {hidden, out};
@@ -256,6 +341,16 @@ struct Heads {
 // T, then the sum
 template <typename T, typename Out>
 inline void rope_row(const T* x, const T* c, const T* s, int64_t dim, Out* out) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if constexpr (std::is_same_v<Out, c10::BFloat16>) {
+      bf16_rope(bits(x), bits(c), bits(s), dim, bits(out));
+    } else {
+      bf16_bits row[512];  // head dims up to 512 (checked where the fused attention is chosen)
+      bf16_rope(bits(x), bits(c), bits(s), dim, row);
+      for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<Out>(bf16_float(row[d]));
+    }
+    return;
+  }
   int64_t half = dim / 2;
   for (int64_t d = 0; d < dim; ++d) {
     float rotated = d < half ? -widen(x[d + half]) : widen(x[d - half]);
@@ -484,7 +579,7 @@ Tensor fused_attention(const Layer& layer, const std::vector<Tensor>& qkv, const
   int64_t batch = x.size(0), width = x.size(1), dim = layer.head_dim;
   auto dtype = x.scalar_type();
   bool exact = layer.attention == kExact;
-  if (!fusable(x) || dim % 2 != 0 || cos.scalar_type() != dtype || sin.scalar_type() != dtype || cos.dim() != 3 ||
+  if (!fusable(x) || dim % 2 != 0 || dim > 512 || cos.scalar_type() != dtype || sin.scalar_type() != dtype || cos.dim() != 3 ||
       cos.size(0) != batch || cos.size(1) != width || cos.size(2) != dim || !cos.is_contiguous() ||
       !sin.is_contiguous() || cos.sizes() != sin.sizes() || !keys.is_contiguous() || !values.is_contiguous() ||
       keys.scalar_type() != (exact ? at::kDouble : dtype) || values.scalar_type() != keys.scalar_type() ||
