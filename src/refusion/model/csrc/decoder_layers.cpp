@@ -1,7 +1,9 @@
-// The decoder layers of a compact forward (refusion/model/compact.py) as one C++ call: the same ATen operations,
-// in the same order and with the same dtypes, as the Python layer loop calls them, without the interpreter between
-// them. Loaded by refusion/model/native.py, which documents what it runs and when; each function below names the
-// Python it mirrors. A change to either side must keep the two bit for bit equal (tests/model/test_native.py).
+// The decoder layers of a compact forward (refusion/model/compact.py) as one C++ call: the products through the
+// same ATen kernels as the Python layer loop, and the operations between them either as the same ATen calls or as
+// fused passes that give every element the same operations and roundings ("fused kernels" below), without the
+// interpreter between them. Loaded by refusion/model/native.py, which documents what it runs and when; each
+// function below names the Python it mirrors. A change to either side must keep the two bit for bit equal
+// (tests/model/test_native.py).
 
 #include <torch/extension.h>
 
