@@ -431,17 +431,15 @@ Tensor fused_exact_attention(const Tensor& q, const Tensor& keys, const Tensor& 
   int64_t rows = batch * heads * width;
   int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(1, length * dim));
   Tensor m;
-  double lowest = 0;
+  double lowest = 0;  // the mask's value for a column a row does not see: its dtype's lowest
   int64_t mb = 0, mt = 0;
+  at::ScalarType mask_type = at::kDouble;
   if (mask) {
     m = mask->contiguous();
-    mb = m.stride(0), mt = m.stride(2);
-    lowest = m.scalar_type() == at::kDouble ? std::numeric_limits<double>::lowest()
-             : m.scalar_type() == at::kFloat ? std::numeric_limits<float>::lowest()
-             : m.scalar_type() == at::kBFloat16 ? static_cast<double>(std::numeric_limits<c10::BFloat16>::lowest())
-                                               : static_cast<double>(std::numeric_limits<c10::Half>::lowest());
+    mb = m.stride(0), mt = m.stride(2), mask_type = m.scalar_type();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, mask_type, "mask",
+                                    [&] { lowest = static_cast<double>(std::numeric_limits<scalar_t>::lowest()); });
   }
-  at::ScalarType mask_type = mask ? m.scalar_type() : at::kDouble;
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<double> dots(length), masked(mask ? length : 0);
     for (int64_t r = begin; r < end; ++r) {
