@@ -1,18 +1,17 @@
 """The compact forward's decoder layers in C++: the same operations, without Python between them.
 
-A one-token forward of SmolLM2-135M calls ~2,400 ATen operations besides its 121 products; called one by one
-from Python each costs a few microseconds of interpreter and dispatch on top of its work, about a third of a
-decoding step on a 2-core CPU. `NativeLayers` runs a `CompactForward`'s layer loop in a small C++ extension
-(`csrc/decoder_layers.cpp`): the products through the same ATen kernels (packed bf16, int4, plain; fused or
-not, with a mask-gated adapter's updates), and what lies between them in a few fused passes that compute every
-element with the operations and roundings of the Python loop's chain of ATen operations (bf16 widened to fp32,
-each result rounded back as ATen rounds it, no FMA contraction): the norm with the residual add before it,
-a mask-gated update added to its product's output, rotary embedding with the KV entries written where
-`SlotCache.write` writes them, and exact attention over the
-cache's fp64 entries (products of bf16 numbers, exact in fp64, summed in an order of its own, which does not
-change an exact sum; ATen's own sum and softmax for the reductions whose order does matter). SiLU and sdpa stay
-ATen's. Its logits are the Python loop's bit for bit (tests/model/test_native.py), so every guarantee of the
-compact forward (transformers' logits, rows as they would be alone) holds unchanged; measured in
+A one-token forward of SmolLM2-135M calls ~2,400 ATen operations besides its 121 products; called one by one from
+Python each costs a few microseconds of interpreter and dispatch on top of its work, about a third of a decoding
+step on a 2-core CPU. `NativeLayers` runs a `CompactForward`'s layer loop in a small C++ extension
+(`csrc/decoder_layers.cpp`): the products through the same ATen kernels (packed bf16, int4, plain; fused or not,
+with a mask-gated adapter's updates), and what lies between them in a few fused passes that compute every element
+with the operations and roundings of the Python loop's chain of ATen operations (bf16 widened to fp32, each result
+rounded back as ATen rounds it, no FMA contraction): the norm with the residual add before it, a mask-gated update
+added to its product's output, rotary embedding with the KV entries written where `SlotCache.write` writes them, and
+exact attention over the cache's fp64 entries (products of bf16 numbers, exact in fp64, summed in an order of its
+own, which does not change an exact sum; ATen's own sum and softmax for the reductions whose order does matter).
+SiLU and sdpa stay ATen's. Its logits are the Python loop's bit for bit (tests/model/test_native.py), so every
+guarantee of the compact forward (transformers' logits, rows as they would be alone) holds unchanged; measured in
 docs/BENCHMARKS.md, Current results: *Native decoder layers*.
 
 It applies to models on the CPU, under inference (no autograd), whose attention is exact attention (the row-exact
