@@ -57,6 +57,14 @@ def test_plan_slots_groups_drafts_by_slot_and_scores_by_first_token():
     assert plan.selected.tolist() == [0]
 
 
+def test_plan_slots_samples_as_draft_tokens_does_and_scores_first_tokens():
+    logits = torch.randn(6, 5, generator=seeded(1))  # 2 slots of 3
+    plan = plan_slots(logits, slot_size=3, slot_threshold=0.0, temperature=1.0, generator=seeded())
+    tokens, confidence = draft_tokens(logits, 1.0, seeded())  # the same noise: the same drafts
+    assert plan.drafts.flatten().tolist() == tokens.tolist()
+    assert torch.equal(plan.scores, confidence.view(2, 3)[:, 0])
+
+
 def test_next_token_greedy_is_the_argmax():
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0]])
     assert next_token(logits, 0.0, None).tolist() == [[1], [0]]
@@ -83,6 +91,16 @@ def test_next_token_sampling_is_reproducible_and_follows_the_softmax():
 
 
 # ------------------------------------------------------------------------------------------- verify
+@pytest.mark.parametrize("width", [1, 2, 5])
+def test_shifted_token_probs_at_every_width_is_the_softmax_one_position_back(width):
+    logits, tokens = torch.randn(3, width, 7, generator=seeded()), torch.randint(7, (3, width), generator=seeded())
+    probs = logits.softmax(-1)
+    expected = torch.cat([probs[:, :1].gather(-1, tokens[:, :1, None]),
+                          probs[:, :-1].gather(-1, tokens[:, 1:, None])], 1).squeeze(-1)
+    assert shifted_token_probs(logits, tokens).shape == (3, width)
+    assert torch.allclose(shifted_token_probs(logits, tokens), expected)
+
+
 def test_shifted_token_probs_reads_the_logits_one_position_back():
     logits = log_probs([0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [0.2, 0.2, 0.6])  # [T=3, V=3]
     tokens = torch.tensor([1, 2, 0])

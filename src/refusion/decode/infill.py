@@ -18,10 +18,11 @@ def shifted_token_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Ten
     logits (a value never used: the first token of a slot or window is always accepted).
     """
     logits = logits.float()
-    log_norm = torch.logsumexp(logits, dim=-1)  # [..., T]
+    width = logits.shape[-2]
+    log_norm = torch.logsumexp(logits[..., :max(width - 1, 1), :], dim=-1)  # the last row is never read
     source = torch.cat([logits[..., :1, :].gather(-1, tokens[..., :1, None]),  # token 0: its own logits
                         logits[..., :-1, :].gather(-1, tokens[..., 1:, None])], dim=-2).squeeze(-1)  # j: at j-1
-    norm = torch.cat([log_norm[..., :1], log_norm[..., :-1]], dim=-1)
+    norm = torch.cat([log_norm[..., :1], log_norm[..., :width - 1]], dim=-1)
     return (source - norm).exp()
 
 

@@ -13,15 +13,11 @@ class Plan:
 
     drafts: torch.Tensor
     """[n_slots, k] drafted tokens (argmax, Gumbel-noised when temperature > 0)."""
-    confidence: torch.Tensor
-    """[n_slots, k] softmax probability of each drafted token under the un-noised logits."""
+    scores: torch.Tensor
+    """[n_slots] slot score: softmax probability of the slot's first draft under the un-noised logits (the only
+    confidence a round reads: it selects the slot and, selected, accepts its first token)."""
     selected: torch.Tensor
     """[m] indices of the selected slots, ascending (position order)."""
-
-    @property
-    def scores(self) -> torch.Tensor:
-        """[n_slots] slot score = confidence of the slot's first token."""
-        return self.confidence[:, 0]
 
 
 def gumbel_noise(shape, generator: torch.Generator, device) -> torch.Tensor:
@@ -33,14 +29,17 @@ def gumbel_noise(shape, generator: torch.Generator, device) -> torch.Tensor:
 
 
 def draft_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None):
-    """Draft a token at every masked position. logits: [n, V] -> (tokens [n], confidence [n]).
-
-    Confidence is the softmax probability of the drafted token under the un-noised logits, computed as
-    exp(logit - logsumexp) in float32 (no full softmax tensor is materialised)."""
+    """Draft a token at every masked position. logits: [n, V] -> (tokens [n], confidence [n])."""
     logits = logits.float()
     tokens = next_token(logits, temperature, generator).squeeze(-1)
-    confidence = (logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)).exp()
-    return tokens, confidence
+    return tokens, token_confidence(logits, tokens)
+
+
+def token_confidence(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[n, V], [n] -> [n]: the softmax probability of each token under its row's logits, computed as
+    exp(logit - logsumexp) in float32 (no full softmax tensor is materialised)."""
+    logits = logits.float()
+    return (logits.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)).exp()
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -67,8 +66,9 @@ def select_slots(scores: torch.Tensor, slot_threshold: float) -> torch.Tensor:
 
 def plan_slots(mask_logits: torch.Tensor, slot_size: int, slot_threshold: float, temperature: float = 0.0,
                generator: torch.Generator | None = None) -> Plan:
-    """mask_logits: [n_slots * k, V], the logits at the masked positions of the block, in position order."""
-    tokens, confidence = draft_tokens(mask_logits, temperature, generator)
-    drafts = tokens.view(-1, slot_size)  # [n_slots, k]
-    confidence = confidence.view(-1, slot_size)
-    return Plan(drafts, confidence, select_slots(confidence[:, 0], slot_threshold))
+    """mask_logits: [n_slots * k, V], the logits at the masked positions of the block, in position order. Every
+    position is drafted; only each slot's first position is normalised (its score: the rest are never read)."""
+    drafts = next_token(mask_logits.float(), temperature, generator).view(-1, slot_size)  # [n_slots, k]
+    first_logits = mask_logits.view(drafts.shape[0], slot_size, -1)[:, 0].contiguous()  # [n_slots, V]
+    scores = token_confidence(first_logits, drafts[:, 0])
+    return Plan(drafts, scores, select_slots(scores, slot_threshold))

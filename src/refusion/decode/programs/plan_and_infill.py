@@ -156,7 +156,7 @@ def infill_round(seq: Sequence, plan: Plan, starts: torch.Tensor, first_logprobs
     # 2. verify: one forward of the selected drafts in position order, keeping its KV for now
     logits = yield Forward(drafts.flatten(), positions.flatten(), zeros(drafts.flatten()), may_end_round=True)
     ar_probs = shifted_token_probs(logits, drafts.flatten()).view_as(drafts)
-    verification = verify_selected(plan.confidence[plan.selected, 0], ar_probs, cfg.token_threshold)
+    verification = verify_selected(plan.scores[plan.selected], ar_probs, cfg.token_threshold)
     logprobs = drafts_logprobs(seq, logits, drafts, first_logprobs)  # [m, k] or None
     accept = fast_accept(drafts, verification.prefix_length, seq.is_eos(drafts))
 
