@@ -8,7 +8,9 @@ fixed shuffle then puts every fifth request in the held-out part: `open_ended_pr
 (benchmarks, the exact mode's speed where nothing can be copied) and is never used to choose a setting or to
 train; `open_ended_prompts("train")` is what a drafter may be distilled and trained on (`refusion generate
 --input open-ended`). `open_ended_prompts("extra")` (`--input open-ended-extra`) adds 920 requests for training
-only: the same templates over topics the set does not use, and rewrites of the next GSM8K train questions.
+only: the same templates over topics the set does not use, and rewrites of the next GSM8K train questions;
+`open_ended_prompts("extra-2")` (`--input open-ended-extra-2`) 1,841 more the same way, on topics and texts neither
+uses.
 """
 
 from __future__ import annotations
@@ -80,18 +82,90 @@ EXTRA_ACTIVITIES = ("plan a picnic", "repair a flat tire", "write a short speech
                     "memorize a poem", "fix a squeaky door", "start meditating")
 """Activities of the extra how-tos, none of them in ACTIVITIES."""
 
+EXTRA_2_CONCEPTS = ("a kidney", "the ozone layer", "a tsunami", "a lever", "an atom", "the metric system",
+                    "a bank loan", "a sewer system", "blood types", "a rocket engine", "a coral island",
+                    "the solar system", "plate tectonics", "a lightning strike", "an allergy", "the stomach",
+                    "a greenhouse", "a fire extinguisher", "a jet stream", "a cell phone tower", "an antibiotic",
+                    "a tax return", "a wetland", "an ant colony", "a submarine", "a hot air balloon", "insulin",
+                    "the Great Wall of China", "a pulley", "a pension", "a salmon run", "a printer",
+                    "the equator", "an X-ray", "a loom", "a windmill", "the Milky Way", "a dictionary",
+                    "a vending machine", "a traffic light", "a satellite", "a cactus", "a tornado", "the skeleton",
+                    "an insurance policy", "a seed bank", "a sundial", "an elevator", "a coral bleaching event",
+                    "a glacier lake", "a magnet", "a steam engine", "the heartbeat", "a water filter",
+                    "a time zone", "the lungs", "a startup company", "a patent", "a comet",
+                    "a barcode", "a refrigerator magnet", "a hearing aid", "a mortgage", "a nuclear reactor",
+                    "a kaleidoscope", "a thermostat", "a canal lock", "a spider web", "the Sahara Desert",
+                    "the Amazon River", "a monsoon", "a recycling plant", "a dam's spillway", "a pharmacy",
+                    "an ecosystem", "a caterpillar's metamorphosis", "a savings account", "a laser",
+                    "an encyclopedia", "a fossil fuel", "a geyser", "a quarry", "a beehive", "a mushroom",
+                    "a pendulum", "a trade agreement", "an avalanche", "a crossword puzzle", "a jury",
+                    "a parliament", "a census", "a newspaper", "a radio", "the human eye", "a bridge's arch",
+                    "a weather balloon", "an ice age", "a marathon", "a chess opening", "a symphony",
+                    "a sea lion", "a currency exchange", "a shipping container", "a lighthouse beam",
+                    "a cloud", "a snowflake", "the Arctic", "penguins", "a coral fish", "a compass needle",
+                    "a blood donation", "a hospital", "a fire station", "a public library", "a city park",
+                    "a subway line", "a bus timetable", "a grocery store", "a bakery oven", "a washing machine",
+                    "a dishwasher", "a vacuum cleaner", "a microwave oven", "a light bulb", "a fuse box",
+                    "a smoke detector", "a door lock", "a keyboard", "a computer mouse", "a hard drive",
+                    "a web browser", "a text message", "a video call", "a spam filter", "a backup copy",
+                    "an online shop", "a delivery route", "a warehouse", "a factory line", "a farm tractor",
+                    "crop rotation", "an irrigation canal", "a fishing net", "a sailboat", "a canoe")
+"""Topics of the second extra requests (`open_ended_prompts("extra-2")`), in neither CONCEPTS nor EXTRA_CONCEPTS."""
+
+EXTRA_2_SUBJECTS = ("a bridge at midnight", "a curious hedgehog", "an old bookshop", "a nervous pianist",
+                    "a travelling circus", "a lonely satellite", "a windy beach", "a garden gnome", "a quiet forest",
+                    "a hot summer afternoon", "a mountain goat", "a sleepy cat", "a city bus driver",
+                    "a winter morning", "a mountain stream", "a young inventor", "an old tortoise",
+                    "a hidden waterfall", "a desert oasis", "a night sky full of stars", "a busy kitchen",
+                    "a jazz club", "a little seed", "a painter by the river", "a clock tower",
+                    "a family road trip", "a rainy harbour", "a field of sunflowers", "a clumsy wizard",
+                    "a castle on a hill")
+"""Subjects of the second extra stories and poems, in neither SUBJECTS nor EXTRA_SUBJECTS."""
+
+EXTRA_2_ACTIVITIES = ("wash a car", "set up a fish tank", "make a paper airplane", "learn to type faster",
+                      "plan a road trip", "set up a chessboard", "care for a cactus", "start a podcast",
+                      "learn to play the guitar", "write a short story", "make a budget for a holiday",
+                      "iron a shirt", "sew a button", "clean a kitchen oven", "organize a garage",
+                      "change a light bulb", "stay focused while studying", "make a fruit salad",
+                      "learn to ice skate", "grow herbs indoors", "groom a horse", "write a resume",
+                      "prepare for a marathon", "make a paper lantern", "plan a wedding", "shop for groceries",
+                      "make a scrapbook", "fold a fitted sheet", "sharpen a kitchen knife", "start birdwatching",
+                      "build a sandcastle", "learn to dance", "make a birthday card", "set goals for the year",
+                      "keep a room tidy", "care for a rabbit", "learn to ski", "make lemonade",
+                      "write a cover letter", "plan a school project", "fix a leaking tap", "paint a fence",
+                      "hang a picture frame", "assemble flat-pack furniture", "learn to sing", "pick a good melon",
+                      "store vegetables", "make a cheese sandwich", "prepare a picnic basket", "learn to row",
+                      "take care of a sunburn", "choose running shoes", "plan a camping trip", "write a limerick",
+                      "tie a tie", "make a campfire safely", "read a map", "clean windows",
+                      "learn to read music", "volunteer in my community", "start a compost bin",
+                      "make new habits stick", "recover after a long run", "prepare for a storm",
+                      "learn to whistle", "make hot chocolate", "repot a plant", "stretch after exercise",
+                      "plan a surprise party", "learn to code", "cut my own hair", "wrap a present",
+                      "read more books", "clean a laptop keyboard", "make a to-do list", "negotiate a price",
+                      "back up my photos", "learn to meditate at work", "cook an omelette", "bake cookies",
+                      "grow strawberries", "make a snowman", "fly a kite", "learn to skateboard",
+                      "stay warm in winter", "stay cool in summer", "drink more water", "make a podcast episode",
+                      "write a letter to a friend", "prepare a science fair project", "care for a hamster",
+                      "train for a bike race", "learn photography", "organize my email", "plan meals for a week",
+                      "remove a stain from a shirt", "build a snow fort", "learn magic tricks",
+                      "make a family tree")
+"""Activities of the second extra how-tos, in neither ACTIVITIES nor EXTRA_ACTIVITIES."""
+
 REWRITE = ("Summarize the following text in one sentence.\n\n{}", "Rewrite the following text in simpler words.\n\n{}",
            "Turn the following text into a short story.\n\n{}")
 REWRITTEN_TEXTS = 40
 """GSM8K train questions rewritten or summarized (the first ones of the file)."""
 EXTRA_REWRITTEN_TEXTS = 100
 """GSM8K train questions the extra requests rewrite or summarize: the next ones after REWRITTEN_TEXTS."""
+EXTRA_2_REWRITTEN_TEXTS = 200
+"""GSM8K train questions the second extra requests rewrite or summarize: the next ones after the extra ones'."""
 HELD_OUT_EVERY = 5
 """Every fifth request of the shuffled set is held out."""
 SEED = 0
 """The fixed shuffle's seed: the set and its split are the same on every machine."""
-SPLITS = {"open-ended": "train", "open-ended-test": "test", "open-ended-extra": "extra"}
-"""The `generate --input` names of the two parts and of the extra requests."""
+SPLITS = {"open-ended": "train", "open-ended-test": "test", "open-ended-extra": "extra",
+          "open-ended-extra-2": "extra-2"}
+"""The `generate --input` names of the two parts and of the two sets of extra requests."""
 
 
 def _compose(concepts, subjects, activities, texts: slice, data_dir: str | Path | None) -> list[tuple[str, str]]:
@@ -121,6 +195,14 @@ def _extra_requests(data_dir: str | Path | None) -> list[tuple[str, str]]:
                     slice(REWRITTEN_TEXTS, REWRITTEN_TEXTS + EXTRA_REWRITTEN_TEXTS), data_dir)
 
 
+def _extra_2_requests(data_dir: str | Path | None) -> list[tuple[str, str]]:
+    """(kind, request) of the second extra requests: the templates over topics neither earlier set uses, and
+    rewrites of the GSM8K train questions after the extra ones'."""
+    first = REWRITTEN_TEXTS + EXTRA_REWRITTEN_TEXTS
+    return _compose(EXTRA_2_CONCEPTS, EXTRA_2_SUBJECTS, EXTRA_2_ACTIVITIES,
+                    slice(first, first + EXTRA_2_REWRITTEN_TEXTS), data_dir)
+
+
 def _fixed_order(n: int) -> list[int]:
     """0..n-1 in the fixed shuffle (SEED): the same on every machine."""
     order = list(range(n))
@@ -132,12 +214,13 @@ def open_ended_prompts(split: str, data_dir: str | Path | None = None) -> list[t
     """(origin, request) of one part of the set, "train" or "test", in a fixed order; the origin is
     "open-ended:<kind>:<index in the whole set>". "extra": more requests for training only, on topics and texts
     the set does not use (so the test part stays apart), shuffled so that a prefix mixes the kinds; origin
-    "open-ended-extra:<kind>:<index>"."""
-    if split == "extra":
-        requests = _extra_requests(data_dir)
-        return [(f"open-ended-extra:{requests[i][0]}:{i}", requests[i][1]) for i in _fixed_order(len(requests))]
+    "open-ended-extra:<kind>:<index>". "extra-2": a second such set (`--input open-ended-extra-2`), on topics and
+    texts neither earlier set uses; origin "open-ended-extra-2:<kind>:<index>"."""
+    if split in ("extra", "extra-2"):
+        requests = _extra_requests(data_dir) if split == "extra" else _extra_2_requests(data_dir)
+        return [(f"open-ended-{split}:{requests[i][0]}:{i}", requests[i][1]) for i in _fixed_order(len(requests))]
     if split not in ("train", "test"):
-        raise ValueError(f"split={split!r} is invalid: must be 'train', 'test' or 'extra'")
+        raise ValueError(f"split={split!r} is invalid: must be 'train', 'test', 'extra' or 'extra-2'")
     requests = _requests(data_dir)
     order = _fixed_order(len(requests))
     chosen = [i for rank, i in enumerate(order) if (rank % HELD_OUT_EVERY == 0) == (split == "test")]
