@@ -165,6 +165,10 @@ def test_the_open_ended_set_is_fixed_and_its_held_out_part_apart(data_dir):
     assert not {p for _, p in extra} & {p for _, p in train + test}
     assert all(origin.startswith("open-ended-extra:") for origin, _ in extra)
     assert {origin.split(":")[1] for origin, _ in extra} >= {"explain", "story", "how-to"}
+    extra_2 = open_ended_prompts("extra-2", data_dir)  # a second such set, apart from all three
+    assert len(extra_2) == len({p for _, p in extra_2})
+    assert not {p for _, p in extra_2} & {p for _, p in train + test + extra}
+    assert all(origin.startswith("open-ended-extra-2:") for origin, _ in extra_2)
 
 
 def test_generate_reads_the_open_ended_set_by_name(tiny_model_dir, data_dir, tmp_path, monkeypatch):
