@@ -13,7 +13,7 @@
 #    ~70 min on 2 AVX2 cores in fp32, ~32 min on 2 AMX cores in bf16
 # 3. that adapter trained on the second set (src/refusion/recipes/refusion-smol-v2-continue.yaml)
 # 4. packaging: the adapter in bf16 where `refusion.load()` finds it, with its draft table (n-gram statistics of
-#    the three distilled sets and the two open-ended ones: drafts for the exact mode, `refusion draft-table`).
+#    the three distilled sets and the three open-ended ones: drafts for the exact mode, `refusion draft-table`).
 set -euo pipefail
 OUT=${1:-runs/refusion-smol-v2}
 DATA=recipes/data/refusion-smol-v2-distill.jsonl.gz
@@ -21,6 +21,7 @@ DATA2=recipes/data/refusion-smol-v2-distill-2.jsonl.gz
 DATA3=recipes/data/refusion-smol-v2-distill-3.jsonl.gz
 DATA4=recipes/data/open-ended-distill.jsonl.gz
 DATA5=recipes/data/open-ended-extra-distill.jsonl.gz
+DATA6=recipes/data/open-ended-extra-2-distill.jsonl.gz
 DISTILL_LIMIT=${DISTILL_LIMIT:-560} DISTILL2_LIMIT=${DISTILL2_LIMIT:-1481} DISTILL3_LIMIT=${DISTILL3_LIMIT:-3100}
 mkdir -p "$OUT"
 
@@ -43,6 +44,9 @@ fi
 if [ ! -f "$DATA5" ]; then  # and its 920 extra requests (~22 min on 2 AMX cores), also for the draft table
   INPUT=open-ended-extra bash recipes/refusion-smol-v2-distill.sh "$OUT/open-ended-extra-distill"
 fi
+if [ ! -f "$DATA6" ]; then  # and the 1,841 of the second extra set (~45 min on 2 AMX cores), for the table too
+  INPUT=open-ended-extra-2 bash recipes/refusion-smol-v2-distill.sh "$OUT/open-ended-extra-2-distill"
+fi
 
 train() {  # train STAGE_DIR ARGS...: resumes an interrupted run, skips a finished one
   local dir=$1; shift
@@ -55,4 +59,4 @@ train "$OUT/continue" --config refusion-smol-v2-continue --lora-init "$OUT/train
 
 ADAPTER=src/refusion/assets/refusion-smol/adapter
 refusion export-adapter "$OUT/continue/adapter" "$ADAPTER" --overwrite
-refusion draft-table "$DATA" "$DATA2" "$DATA3" "$DATA4" "$DATA5" --model smollm2 --output "$ADAPTER"
+refusion draft-table "$DATA" "$DATA2" "$DATA3" "$DATA4" "$DATA5" "$DATA6" --model smollm2 --output "$ADAPTER"
