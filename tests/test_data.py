@@ -147,7 +147,7 @@ def test_generate_over_the_mix_writes_training_records_and_resumes(tiny_model_di
 
 
 def test_the_open_ended_set_is_fixed_and_its_held_out_part_apart(data_dir):
-    from refusion.open_ended import HELD_OUT_EVERY, open_ended_prompts
+    from refusion.open_ended import EXTRA_SETS, HELD_OUT_EVERY, open_ended_prompts
 
     train, test = open_ended_prompts("train", data_dir), open_ended_prompts("test", data_dir)
     assert open_ended_prompts("test", data_dir) == test  # the same set and split on every call
@@ -165,10 +165,12 @@ def test_the_open_ended_set_is_fixed_and_its_held_out_part_apart(data_dir):
     assert not {p for _, p in extra} & {p for _, p in train + test}
     assert all(origin.startswith("open-ended-extra:") for origin, _ in extra)
     assert {origin.split(":")[1] for origin, _ in extra} >= {"explain", "story", "how-to"}
-    extra_2 = open_ended_prompts("extra-2", data_dir)  # a second such set, apart from all three
-    assert len(extra_2) == len({p for _, p in extra_2})
-    assert not {p for _, p in extra_2} & {p for _, p in train + test + extra}
-    assert all(origin.startswith("open-ended-extra-2:") for origin, _ in extra_2)
+    seen = {p for _, p in train + test + extra}
+    for name in list(EXTRA_SETS)[1:]:  # more such sets, each apart from every set before it
+        more = open_ended_prompts(name, data_dir)
+        assert len(more) == len({p for _, p in more}) and not {p for _, p in more} & seen
+        assert all(origin.startswith(f"open-ended-{name}:") for origin, _ in more)
+        seen |= {p for _, p in more}
 
 
 def test_generate_reads_the_open_ended_set_by_name(tiny_model_dir, data_dir, tmp_path, monkeypatch):

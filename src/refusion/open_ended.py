@@ -9,8 +9,8 @@ fixed shuffle then puts every fifth request in the held-out part: `open_ended_pr
 train; `open_ended_prompts("train")` is what a drafter may be distilled and trained on (`refusion generate
 --input open-ended`). `open_ended_prompts("extra")` (`--input open-ended-extra`) adds 920 requests for training
 only: the same templates over topics the set does not use, and rewrites of the next GSM8K train questions;
-`open_ended_prompts("extra-2")` (`--input open-ended-extra-2`) 1,841 more the same way, on topics and texts neither
-uses.
+`open_ended_prompts("extra-2")` and `("extra-3")` (`--input open-ended-extra-2`, `open-ended-extra-3`) 1,841 and
+1,375 more the same way, each on topics and texts no earlier set uses.
 """
 
 from __future__ import annotations
@@ -151,21 +151,64 @@ EXTRA_2_ACTIVITIES = ("wash a car", "set up a fish tank", "make a paper airplane
                       "make a family tree")
 """Activities of the second extra how-tos, in neither ACTIVITIES nor EXTRA_ACTIVITIES."""
 
+EXTRA_3_CONCEPTS = ("a kangaroo", "the Eiffel Tower", "a pyramid", "a steam locomotive", "a violin", "a piano",
+                    "the Internet of Things", "a drone", "an electric car", "a bus network", "a seaport",
+                    "an airport", "a lighthouse keeper's job", "a weather forecast", "a thunderstorm", "fog",
+                    "hail", "a heat wave", "a drought", "a flood", "a wildfire", "a river delta", "a canyon",
+                    "a cave", "stalactites", "a waterfall", "an oasis", "a prairie", "a tundra", "a mangrove",
+                    "a kelp forest", "a whale", "an octopus", "a jellyfish", "a shark", "a dolphin", "an eagle",
+                    "an owl", "a bat", "a frog", "a snake", "a chameleon", "an elephant", "a giraffe", "a camel",
+                    "a polar bear", "a panda", "a honeybee's dance", "an earthworm", "a butterfly", "a dragonfly",
+                    "a spider", "a crab", "a seahorse", "a sunflower", "a pine tree", "moss", "algae", "a fern",
+                    "a seed", "pollen", "a root system", "a leaf", "bark", "a fruit", "a hedge maze",
+                    "a farmer's market", "a vineyard", "an orchard", "cheese making", "yogurt", "chocolate",
+                    "a kettle", "spices", "salt", "sugar", "honey", "olive oil", "rice farming", "wheat", "corn",
+                    "potatoes", "a bakery", "a restaurant kitchen", "a food truck", "a cookbook", "a menu",
+                    "table manners", "a birthday party", "a wedding", "a holiday", "a parade", "a carnival",
+                    "a circus", "a theatre", "a cinema", "a novel", "a poem", "a fairy tale", "a myth",
+                    "a comic book", "a painting", "a sculpture", "a photograph", "a mural", "pottery", "origami",
+                    "a board game", "a video game", "a puzzle", "a sport", "football", "tennis", "rowing",
+                    "cycling", "yoga", "a gym", "a team captain", "a referee", "a coach", "a trophy")
+"""Topics of the third extra requests (`open_ended_prompts("extra-3")`), in no earlier list."""
+
+EXTRA_3_ACTIVITIES = ("learn to play tennis", "start rock climbing", "build a model airplane", "grow a bonsai tree",
+                      "write a haiku", "plan a museum visit", "make a simple website", "learn to yo-yo",
+                      "train for a 5k race", "make a paper mache bowl", "clean a fish tank", "learn to surf",
+                      "make a kite", "go on a night walk safely", "prepare a lunch box", "make granola",
+                      "make a smoothie bowl", "make a sandwich wrap", "decorate cupcakes", "make dumplings",
+                      "cook a vegetable soup", "roast vegetables", "make a salad dressing", "repair a zipper",
+                      "plan a scavenger hunt", "plan a tea party", "host a dinner party", "set a table",
+                      "fold napkins", "write a poem for a friend", "make a greeting card", "knit a scarf",
+                      "sew a pillow", "paint with watercolors", "draw a portrait", "take a selfie",
+                      "edit a photo", "make a short video", "start a blog", "write a product review",
+                      "prepare for a debate", "improve my memory", "learn faster", "take good notes",
+                      "manage my time", "stop procrastinating", "stay motivated", "deal with stress",
+                      "be more patient", "say no politely", "apologize sincerely", "give feedback kindly",
+                      "ask for a raise", "prepare for a first day at work", "work from home", "lead a meeting",
+                      "run a team project", "write a business plan", "read a bus timetable", "pay off debt",
+                      "compare prices online", "shop for a laptop", "set up a new phone", "protect my privacy online",
+                      "create a strong password", "spot a scam email", "clean up my computer", "learn to use a spreadsheet",
+                      "plant flowers", "water a garden", "prune a rose bush", "attract birds to a garden",
+                      "care for a turtle", "walk a cat on a leash", "bathe a dog", "choose a pet",
+                      "teach a parrot to talk", "feed wild birds", "build a bird feeder", "go fishing")
+"""Activities of the third extra how-tos, in no earlier list (no stories: most run past the length limit)."""
+
 REWRITE = ("Summarize the following text in one sentence.\n\n{}", "Rewrite the following text in simpler words.\n\n{}",
            "Turn the following text into a short story.\n\n{}")
 REWRITTEN_TEXTS = 40
 """GSM8K train questions rewritten or summarized (the first ones of the file)."""
-EXTRA_REWRITTEN_TEXTS = 100
-"""GSM8K train questions the extra requests rewrite or summarize: the next ones after REWRITTEN_TEXTS."""
-EXTRA_2_REWRITTEN_TEXTS = 200
-"""GSM8K train questions the second extra requests rewrite or summarize: the next ones after the extra ones'."""
 HELD_OUT_EVERY = 5
 """Every fifth request of the shuffled set is held out."""
 SEED = 0
 """The fixed shuffle's seed: the set and its split are the same on every machine."""
 SPLITS = {"open-ended": "train", "open-ended-test": "test", "open-ended-extra": "extra",
-          "open-ended-extra-2": "extra-2"}
-"""The `generate --input` names of the two parts and of the two sets of extra requests."""
+          "open-ended-extra-2": "extra-2", "open-ended-extra-3": "extra-3"}
+"""The `generate --input` names of the two parts and of the sets of extra requests."""
+EXTRA_SETS = {"extra": (EXTRA_CONCEPTS, EXTRA_SUBJECTS, EXTRA_ACTIVITIES, 100),
+              "extra-2": (EXTRA_2_CONCEPTS, EXTRA_2_SUBJECTS, EXTRA_2_ACTIVITIES, 200),
+              "extra-3": (EXTRA_3_CONCEPTS, (), EXTRA_3_ACTIVITIES, 150)}
+"""The sets of extra requests, for training only: (concepts, subjects, activities, GSM8K train questions to
+rewrite: the next ones after the earlier sets')."""
 
 
 def _compose(concepts, subjects, activities, texts: slice, data_dir: str | Path | None) -> list[tuple[str, str]]:
@@ -188,19 +231,15 @@ def _requests(data_dir: str | Path | None) -> list[tuple[str, str]]:
     return _compose(CONCEPTS, SUBJECTS, ACTIVITIES, slice(0, REWRITTEN_TEXTS), data_dir)
 
 
-def _extra_requests(data_dir: str | Path | None) -> list[tuple[str, str]]:
-    """(kind, request) of the extra requests: the same templates over topics the set does not use, and rewrites
-    of the next GSM8K train questions."""
-    return _compose(EXTRA_CONCEPTS, EXTRA_SUBJECTS, EXTRA_ACTIVITIES,
-                    slice(REWRITTEN_TEXTS, REWRITTEN_TEXTS + EXTRA_REWRITTEN_TEXTS), data_dir)
-
-
-def _extra_2_requests(data_dir: str | Path | None) -> list[tuple[str, str]]:
-    """(kind, request) of the second extra requests: the templates over topics neither earlier set uses, and
-    rewrites of the GSM8K train questions after the extra ones'."""
-    first = REWRITTEN_TEXTS + EXTRA_REWRITTEN_TEXTS
-    return _compose(EXTRA_2_CONCEPTS, EXTRA_2_SUBJECTS, EXTRA_2_ACTIVITIES,
-                    slice(first, first + EXTRA_2_REWRITTEN_TEXTS), data_dir)
+def _extra_requests(name: str, data_dir: str | Path | None) -> list[tuple[str, str]]:
+    """(kind, request) of one set of extra requests (EXTRA_SETS): the templates over topics no other set uses,
+    and rewrites of the GSM8K train questions after those of the sets before it."""
+    first = REWRITTEN_TEXTS
+    for other, (concepts, subjects, activities, texts) in EXTRA_SETS.items():
+        if other == name:
+            return _compose(concepts, subjects, activities, slice(first, first + texts), data_dir)
+        first += texts
+    raise KeyError(name)
 
 
 def _fixed_order(n: int) -> list[int]:
@@ -214,13 +253,13 @@ def open_ended_prompts(split: str, data_dir: str | Path | None = None) -> list[t
     """(origin, request) of one part of the set, "train" or "test", in a fixed order; the origin is
     "open-ended:<kind>:<index in the whole set>". "extra": more requests for training only, on topics and texts
     the set does not use (so the test part stays apart), shuffled so that a prefix mixes the kinds; origin
-    "open-ended-extra:<kind>:<index>". "extra-2": a second such set (`--input open-ended-extra-2`), on topics and
-    texts neither earlier set uses; origin "open-ended-extra-2:<kind>:<index>"."""
-    if split in ("extra", "extra-2"):
-        requests = _extra_requests(data_dir) if split == "extra" else _extra_2_requests(data_dir)
+    "open-ended-extra:<kind>:<index>". "extra-2", "extra-3": more such sets (`--input open-ended-extra-2`, ...), on
+    topics and texts no earlier set uses; origin "open-ended-extra-2:<kind>:<index>", ..."""
+    if split in EXTRA_SETS:
+        requests = _extra_requests(split, data_dir)
         return [(f"open-ended-{split}:{requests[i][0]}:{i}", requests[i][1]) for i in _fixed_order(len(requests))]
     if split not in ("train", "test"):
-        raise ValueError(f"split={split!r} is invalid: must be 'train', 'test', 'extra' or 'extra-2'")
+        raise ValueError(f"split={split!r} is invalid: must be 'train', 'test' or one of {', '.join(EXTRA_SETS)}")
     requests = _requests(data_dir)
     order = _fixed_order(len(requests))
     chosen = [i for rank, i in enumerate(order) if (rank % HELD_OUT_EVERY == 0) == (split == "test")]
