@@ -10,7 +10,8 @@ ROW_COST with benchmarks/narrow_forwards.py). Ends with one JSON line.
 
     python benchmarks/draft_sources.py recipes/data/*.jsonl.gz [--fractions 0.25,0.5,1] [--lookup-lengths 8]
                                        [--table-lengths 16] [--orders 4,3,2 4,3,2,1] [--folds 5]
-                                       [--max-new-tokens 128] [--row-cost 0.028]
+                                       [--min-counts 2] [--min-confidences 0.1] [--max-new-tokens 128]
+                                       [--row-cost 0.028]
 """
 
 from __future__ import annotations
@@ -45,13 +46,14 @@ def replay(prompt: list[int], answer: list[int], table: DraftTable, lookup_lengt
 
 
 def cross_validated(prompts, answers, fraction: float, folds: int, lookup_length: int, table_length: int,
-                    max_new_tokens: int, row_cost: float, orders: tuple[int, ...] = DEFAULT_ORDERS) -> dict:
+                    max_new_tokens: int, row_cost: float, orders: tuple[int, ...] = DEFAULT_ORDERS,
+                    min_count: int = 2, min_confidence: float = 0.1) -> dict:
     tokens = prefills = verifies = cost = widths = 0
     sequences = answers_with_openings(prompts, answers, orders)
     for fold in range(folds):
         others = [i for i in range(len(answers)) if i % folds != fold]
         others = others[: max(1, int(len(others) * fraction))]
-        table = DraftTable.from_sequences([sequences[i] for i in others], orders)
+        table = DraftTable.from_sequences([sequences[i] for i in others], orders, min_count, min_confidence)
         for i in range(fold, len(answers), folds):
             answer = answers[i][:max_new_tokens]
             rounds = replay(prompts[i], answer, table, lookup_length, table_length)
@@ -73,6 +75,8 @@ def main() -> None:
     parser.add_argument("--table-lengths", default="16")
     parser.add_argument("--orders", nargs="+", default=[",".join(map(str, DEFAULT_ORDERS))],
                         help="the run lengths of each table compared (comma-separated), e.g. 4,3,2 4,3,2,1")
+    parser.add_argument("--min-counts", default="2", help="the tables' min_count values compared")
+    parser.add_argument("--min-confidences", default="0.1", help="the tables' min_confidence values compared")
     parser.add_argument("--folds", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--row-cost", type=float, default=0.028,
@@ -83,15 +87,17 @@ def main() -> None:
     data = load_training_data(tuple(args.data), tokenizer, eos_id=response_eos_id(tokenizer), max_length=2**31)
     prompts, answers = [p.tolist() for p in data.prompts], [r.tolist() for r in data.responses]
     results = []
-    for orders, fraction, lookup, table in itertools.product(
+    for orders, fraction, lookup, table, min_count, min_confidence in itertools.product(
             [tuple(int(n) for n in o.split(",")) for o in args.orders], [float(f) for f in args.fractions.split(",")],
-            [int(n) for n in args.lookup_lengths.split(",")], [int(n) for n in args.table_lengths.split(",")]):
+            [int(n) for n in args.lookup_lengths.split(",")], [int(n) for n in args.table_lengths.split(",")],
+            [int(n) for n in args.min_counts.split(",")], [float(c) for c in args.min_confidences.split(",")]):
         r = cross_validated(prompts, answers, fraction, args.folds, lookup, table, args.max_new_tokens, args.row_cost,
-                            orders)
-        r |= {"fraction": fraction, "lookup_length": lookup, "table_length": table, "orders": orders}
+                            orders, min_count, min_confidence)
+        r |= {"fraction": fraction, "lookup_length": lookup, "table_length": table, "orders": orders,
+              "min_count": min_count, "min_confidence": min_confidence}
         results.append(r)
         print(f"orders {','.join(map(str, orders)):9s} table of {r['table_answers']:5d} answers  lookup {lookup:2d}  "
-              f"table {table:2d}  "
+              f"table {table:2d}  min count {min_count}  min confidence {min_confidence:g}  "
               f"TPF {r['tokens_per_forward']:.3f}  width {r['mean_width']:.2f}  "
               f"x{r['modelled_speed_vs_ar']:.3f} AR (modelled)", flush=True)
     print(json.dumps({"benchmark": "draft_sources", "data": args.data, "answers": len(answers), "folds": args.folds,
