@@ -12,7 +12,7 @@ from refusion.decode.infill import (
     shifted_token_probs,
     verify_selected,
 )
-from refusion.decode.plan import draft_tokens, greedy, next_token, plan_slots, select_slots
+from refusion.decode.plan import greedy, next_token, plan_slots, select_slots, token_confidence
 from refusion.decode.speculate import Drafts, accept_drafts
 
 
@@ -35,18 +35,19 @@ def test_select_slots_falls_back_to_the_single_best():
     assert select_slots(torch.tensor([0.2, 0.4, 0.3]), 0.5).tolist() == [1]
 
 
-def test_draft_tokens_takes_the_argmax_and_its_probability():
+def test_plan_drafts_the_argmax_and_scores_its_probability():
     logits = log_probs([0.1, 0.7, 0.2], [0.5, 0.2, 0.3])
-    tokens, confidence = draft_tokens(logits, 0.0, None)  # temperature 0 needs no generator
-    assert tokens.tolist() == [1, 0]
-    assert confidence.tolist() == pytest.approx([0.7, 0.5])
+    plan = plan_slots(logits, slot_size=1, slot_threshold=0.0)  # temperature 0 needs no generator
+    assert plan.drafts.tolist() == [[1], [0]]
+    assert plan.scores.tolist() == pytest.approx([0.7, 0.5])
 
 
 def test_sampled_drafts_keep_the_unnoised_confidence():
     probs = torch.tensor([[0.4, 0.35, 0.25]] * 64)
-    tokens, confidence = draft_tokens(probs.log(), 1.0, seeded())
+    plan = plan_slots(probs.log(), slot_size=1, slot_threshold=0.0, temperature=1.0, generator=seeded())
+    tokens = plan.drafts.squeeze(1)
     assert len(set(tokens.tolist())) > 1  # sampled, not argmax
-    assert confidence.tolist() == pytest.approx(probs.gather(1, tokens[:, None]).squeeze(1).tolist())
+    assert plan.scores.tolist() == pytest.approx(probs.gather(1, tokens[:, None]).squeeze(1).tolist())
 
 
 def test_plan_slots_groups_drafts_by_slot_and_scores_by_first_token():
@@ -57,12 +58,12 @@ def test_plan_slots_groups_drafts_by_slot_and_scores_by_first_token():
     assert plan.selected.tolist() == [0]
 
 
-def test_plan_slots_samples_as_draft_tokens_does_and_scores_first_tokens():
+def test_plan_slots_samples_every_position_and_scores_first_tokens():
     logits = torch.randn(6, 5, generator=seeded(1))  # 2 slots of 3
     plan = plan_slots(logits, slot_size=3, slot_threshold=0.0, temperature=1.0, generator=seeded())
-    tokens, confidence = draft_tokens(logits, 1.0, seeded())  # the same noise: the same drafts
+    tokens = next_token(logits, 1.0, seeded()).squeeze(-1)  # the same noise: the same drafts
     assert plan.drafts.flatten().tolist() == tokens.tolist()
-    assert torch.equal(plan.scores, confidence.view(2, 3)[:, 0])
+    assert torch.equal(plan.scores, token_confidence(logits, tokens).view(2, 3)[:, 0])
 
 
 def test_next_token_greedy_is_the_argmax():

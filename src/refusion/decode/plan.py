@@ -28,13 +28,6 @@ def gumbel_noise(shape, generator: torch.Generator, device) -> torch.Tensor:
     return (-torch.log(-torch.log(u.clamp(tiny, 1.0 - 1e-7)))).to(device, non_blocking=True)
 
 
-def draft_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None):
-    """Draft a token at every masked position. logits: [n, V] -> (tokens [n], confidence [n])."""
-    logits = logits.float()
-    tokens = next_token(logits, temperature, generator).squeeze(-1)
-    return tokens, token_confidence(logits, tokens)
-
-
 def token_confidence(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """[n, V], [n] -> [n]: the softmax probability of each token under its row's logits, computed as
     exp(logit - logsumexp) in float32 (no full softmax tensor is materialised)."""
