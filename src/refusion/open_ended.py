@@ -187,7 +187,8 @@ EXTRA_3_ACTIVITIES = ("learn to play tennis", "start rock climbing", "build a mo
                       "ask for a raise", "prepare for a first day at work", "work from home", "lead a meeting",
                       "run a team project", "write a business plan", "read a bus timetable", "pay off debt",
                       "compare prices online", "shop for a laptop", "set up a new phone", "protect my privacy online",
-                      "create a strong password", "spot a scam email", "clean up my computer", "learn to use a spreadsheet",
+                      "create a strong password", "spot a scam email", "clean up my computer",
+                      "learn to use a spreadsheet",
                       "plant flowers", "water a garden", "prune a rose bush", "attract birds to a garden",
                       "care for a turtle", "walk a cat on a leash", "bathe a dog", "choose a pet",
                       "teach a parrot to talk", "feed wild birds", "build a bird feeder", "go fishing")
@@ -201,14 +202,13 @@ HELD_OUT_EVERY = 5
 """Every fifth request of the shuffled set is held out."""
 SEED = 0
 """The fixed shuffle's seed: the set and its split are the same on every machine."""
-SPLITS = {"open-ended": "train", "open-ended-test": "test", "open-ended-extra": "extra",
-          "open-ended-extra-2": "extra-2", "open-ended-extra-3": "extra-3"}
-"""The `generate --input` names of the two parts and of the sets of extra requests."""
 EXTRA_SETS = {"extra": (EXTRA_CONCEPTS, EXTRA_SUBJECTS, EXTRA_ACTIVITIES, 100),
               "extra-2": (EXTRA_2_CONCEPTS, EXTRA_2_SUBJECTS, EXTRA_2_ACTIVITIES, 200),
               "extra-3": (EXTRA_3_CONCEPTS, (), EXTRA_3_ACTIVITIES, 150)}
 """The sets of extra requests, for training only: (concepts, subjects, activities, GSM8K train questions to
 rewrite: the next ones after the earlier sets')."""
+SPLITS = {"open-ended": "train", "open-ended-test": "test", **{f"open-ended-{name}": name for name in EXTRA_SETS}}
+"""The `generate --input` names of the two parts and of the sets of extra requests."""
 
 
 def _compose(concepts, subjects, activities, texts: slice, data_dir: str | Path | None) -> list[tuple[str, str]]:
