@@ -61,7 +61,8 @@ def plan_slots(mask_logits: torch.Tensor, slot_size: int, slot_threshold: float,
                generator: torch.Generator | None = None) -> Plan:
     """mask_logits: [n_slots * k, V], the logits at the masked positions of the block, in position order. Every
     position is drafted; only each slot's first position is normalised (its score: the rest are never read)."""
-    drafts = next_token(mask_logits.float(), temperature, generator).view(-1, slot_size)  # [n_slots, k]
-    first_logits = mask_logits.view(drafts.shape[0], slot_size, -1)[:, 0].contiguous()  # [n_slots, V]
+    logits = mask_logits.float()
+    drafts = next_token(logits, temperature, generator).view(-1, slot_size)  # [n_slots, k]
+    first_logits = logits.view(drafts.shape[0], slot_size, -1)[:, 0].contiguous()  # [n_slots, V]
     scores = token_confidence(first_logits, drafts[:, 0])
     return Plan(drafts, scores, select_slots(scores, slot_threshold))
