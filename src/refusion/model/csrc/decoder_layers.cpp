@@ -98,6 +98,8 @@ Tensor packed_product(const Tensor& x, const Tensor& weight, const c10::optional
 #define REFUSION_CLONES
 #endif
 
+constexpr int64_t kMaxHeadDim = 512;  // the widest head the fused attention takes (its rotary row buffer)
+
 bool fusable(const Tensor& x) {
   return x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat;
 }
@@ -161,7 +163,9 @@ REFUSION_CLONES void bf16_squares(const bf16_bits* h, float* squares, int64_t n)
 
 // out = weight * bf16(h * r) (bf16), one row
 REFUSION_CLONES void bf16_normalize(const bf16_bits* h, const bf16_bits* w, float r, bf16_bits* out, int64_t dim) {
-  for (int64_t i = 0; i < dim; ++i) out[i] = float_bf16(bf16_float(w[i]) * bf16_float(float_bf16(bf16_float(h[i]) * r)));
+  for (int64_t i = 0; i < dim; ++i) {
+    out[i] = float_bf16(bf16_float(w[i]) * bf16_float(float_bf16(bf16_float(h[i]) * r)));
+  }
 }
 
 // (x * cos) + (rotate_half(x) * sin) for one head's row (bf16); the two halves apart, so that each loop vectorises
@@ -347,7 +351,7 @@ inline void rope_row(const T* x, const T* c, const T* s, int64_t dim, Out* out) 
     if constexpr (std::is_same_v<Out, c10::BFloat16>) {
       bf16_rope(bits(x), bits(c), bits(s), dim, bits(out));
     } else {
-      bf16_bits row[512];  // head dims up to 512 (checked where the fused attention is chosen)
+      bf16_bits row[kMaxHeadDim];  // checked where the fused attention is chosen
       bf16_rope(bits(x), bits(c), bits(s), dim, row);
       for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<Out>(bf16_float(row[d]));
     }
@@ -579,9 +583,10 @@ Tensor fused_attention(const Layer& layer, const std::vector<Tensor>& qkv, const
   int64_t batch = x.size(0), width = x.size(1), dim = layer.head_dim;
   auto dtype = x.scalar_type();
   bool exact = layer.attention == kExact;
-  if (!fusable(x) || dim % 2 != 0 || dim > 512 || cos.scalar_type() != dtype || sin.scalar_type() != dtype || cos.dim() != 3 ||
-      cos.size(0) != batch || cos.size(1) != width || cos.size(2) != dim || !cos.is_contiguous() ||
-      !sin.is_contiguous() || cos.sizes() != sin.sizes() || !keys.is_contiguous() || !values.is_contiguous() ||
+  if (!fusable(x) || dim % 2 != 0 || dim > kMaxHeadDim || cos.scalar_type() != dtype ||
+      sin.scalar_type() != dtype || cos.dim() != 3 || cos.size(0) != batch || cos.size(1) != width ||
+      cos.size(2) != dim || !cos.is_contiguous() || !sin.is_contiguous() || cos.sizes() != sin.sizes() ||
+      !keys.is_contiguous() || !values.is_contiguous() ||
       keys.scalar_type() != (exact ? at::kDouble : dtype) || values.scalar_type() != keys.scalar_type() ||
       keys.size(3) != dim || values.size(3) != dim) {
     return Tensor();
