@@ -17,11 +17,13 @@ def make_cache(n_sequences: int = 1, capacity: int = 16, layers: int = 2, **kwar
     return cache
 
 
-def forward(cache: SlotCache, groups, positions, lower_upto=None):
-    """One forward: reserve columns, write fake KV on every layer, account. Returns the mask."""
+def forward(cache: SlotCache, groups, positions, lower_upto=None, counted: bool = False):
+    """One forward: reserve columns, write fake KV on every layer, account. Returns the mask. `counted`: tell the
+    cache each row's tokens that are not padding (what the decoder does)."""
+    counts = [sum(g != P for g in row) for row in groups] if counted else None
     groups, positions = torch.tensor(groups), torch.tensor(positions)  # [B, T]
     lower = None if lower_upto is None else torch.tensor(lower_upto)
-    mask = cache.begin_forward(groups, positions, lower)
+    mask = cache.begin_forward(groups, positions, lower, counts)
     key = torch.stack([positions, groups], -1)[:, None].float()  # [B, 1, T, 2]
     for layer in cache.hf.layers:
         keys, values = layer.update(key, -key, 0)
@@ -294,6 +296,81 @@ def test_growth_keeps_every_entry():
     assert_kv_follows_metadata(cache)
     cache.commit(0, torch.tensor([3, 4, 5]))
     assert cache.committed[0] == 6
+
+
+# ------------------------------------------------------------------------------------------- reads back
+def counting_reads(cache: SlotCache) -> list[int]:
+    """A list that grows by one each time the cache reads its metadata back to the host."""
+    reads, read = [], cache._read_metadata
+
+    def counted():
+        reads.append(1)
+        return read()
+    cache._read_metadata = counted
+    return reads
+
+
+def test_ar_decoding_reads_nothing_back_until_an_entry_is_dropped():
+    cache = make_cache(1, capacity=32)
+    reads = counting_reads(cache)
+    forward(cache, [[0] * 3], [[0, 1, 2]], counted=True)
+    cache.commit(0, torch.arange(3))
+    for p in range(3, 8):  # one token a forward, each committed: the context stays hole-free
+        assert forward(cache, [[0]], [[p]], counted=True) is None
+        cache.commit(0, torch.tensor([p]))
+    assert reads == [] and cache.used == 8
+    forward(cache, [[0, 0, 0]], [[8, 9, 10]], counted=True)
+    cache.commit(0, torch.tensor([8]))  # two drafts dropped: the next forward looks, and reuses their columns
+    assert forward(cache, [[0]], [[9]], counted=True) is None
+    assert reads == [1] and cache.used == 10
+    assert live(cache) == [(CONTEXT, p) for p in range(9)] + [(0, 9)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_host_counts_agree_with_reading_everything_back(seed):
+    """Random forwards (padded, in two groups), commits, retains and discards on two caches, one told each row's
+    token counts (it reads back only when it must) and one not (it reads back before every forward): the same
+    entries in the same columns and the same masks, and the host's pending counts match the device's."""
+    gen = torch.Generator().manual_seed(seed)
+    told, untold = make_cache(2, capacity=12), make_cache(2, capacity=12)
+    fresh = [0, 0]  # each row's next unused position
+    pending: list[list[tuple[int, int]]] = [[], []]  # (group, position) of each row's pending entries
+
+    def draw(n: int) -> int:
+        return int(torch.randint(0, n, (1,), generator=gen))
+
+    for _ in range(40):
+        width = 1 + draw(4)
+        groups, positions = [], []
+        for row in range(2):
+            n = draw(width + 1) if row else width
+            new = sorted(draw(2) for _ in range(n))
+            groups.append([P] * (width - n) + new)
+            positions.append([0] * (width - n) + list(range(fresh[row], fresh[row] + n)))
+            pending[row] += list(zip(new, positions[row][width - n:]))
+            fresh[row] += n
+        masks = [forward(cache, groups, positions, counted=cache is told) for cache in (told, untold)]
+        assert (masks[0] is None) == (masks[1] is None) and (masks[0] is None or torch.equal(*masks))
+        for row in range(2):
+            verb = draw(3)
+            if verb == 2 and pending[row]:  # commit one group's pending entries, drop the others
+                group = pending[row][draw(len(pending[row]))][0]
+                kept = [p for g, p in pending[row] if g == group]
+                for cache in (told, untold):
+                    cache.commit(row, torch.tensor(kept), group=group)
+                pending[row] = []
+            elif verb == 1 and pending[row]:  # keep some positions pending
+                kept = [p for _, p in pending[row] if draw(2)]
+                for cache in (told, untold):
+                    cache.retain(row, torch.tensor(kept, dtype=torch.long))
+                pending[row] = [(g, p) for g, p in pending[row] if p in kept]
+            else:
+                for cache in (told, untold):
+                    cache.discard(row)
+                pending[row] = []
+            assert live(told, row) == live(untold, row)
+            assert told._pending_count[row] in (None, len(pending[row]))
+        assert told.used == untold.used and torch.equal(told.owner, untold.owner) and torch.equal(told.pos, untold.pos)
 
 
 # ------------------------------------------------------------------------------------------- invariant

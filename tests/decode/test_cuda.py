@@ -78,6 +78,17 @@ def test_bf16_decoding_is_deterministic_on_the_gpu():
 
 
 @pytest.mark.parametrize("strategy", ["refusion", "autoregressive", "speculative"])
+def test_the_unchecked_cache_decodes_the_same_tokens_on_the_gpu(strategy, monkeypatch):
+    """What a GPU runs by default (no invariant check, commits by the host's counts) = the checked cache."""
+    model = on_gpu("qwen3", torch.float32, seed=2)
+    cfg = CFG.replace(strategy=strategy)
+    prompts = random_prompts(19, count=3)
+    checked = refusion.generate(model, prompts, cfg).sequences
+    monkeypatch.delenv(CHECK_ENV)
+    assert refusion.generate(model, prompts, cfg).sequences == checked
+
+
+@pytest.mark.parametrize("strategy", ["refusion", "autoregressive", "speculative"])
 def test_compiled_forwards_replayed_as_cuda_graphs_decode_the_same_tokens(strategy):
     model = on_gpu("qwen3", torch.float32, seed=2)
     setup = setup_of(model).replace(compiled=compile_model(model, backend="cudagraphs"))

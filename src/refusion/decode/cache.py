@@ -33,6 +33,12 @@ Invariant, checked on every commit: a sequence's CONTEXT entries are exactly its
 two counts back to the host; on a GPU, where each read waits for the device, it is off unless `REFUSION_CHECK_CACHE=1`
 (the tests' CUDA run sets it). Entries change state by masked writes, never by boolean indexing (which would read
 the mask back to the host too).
+
+Reads back to the host are few: the cache keeps on the host how many pending entries each row holds (what its
+forwards wrote, less what was committed) and whether anything may have been dropped since it last looked. Only then
+(an entry dropped, a forward padded, a row removed) or when the buffer is full does it read the device's metadata
+back, once, to reuse the emptied tail and decide on compaction. A sequence decoded AR-style (every entry committed,
+none dropped) never makes it look, and its eager forwards take the mask-free path without reading anything back.
 """
 
 from __future__ import annotations
@@ -141,6 +147,10 @@ class SlotCache:
         self.committed: dict[int, int] = {}  # sequence id -> number of committed tokens
         self._pending_width = 0  # columns reserved by the forward in flight
         self._columns: torch.Tensor | None = None  # static: those columns, as the index the layers write at
+        self._pending_count: dict[int, int | None] = {}  # sequence id -> its pending entries (None: unknown)
+        self._dirty = False  # entries may have been dropped (or padding freed) since the metadata was last read
+        self._holes = False  # some row may have an EMPTY column before `used` (as of the last read)
+        self._padded = False  # the forward in flight has padding columns
         self.hf = Cache(layers=[_BufferLayer(self, i) for i in range(num_layers)])
 
     # ----------------------------------------------------------------------------- rows
@@ -153,6 +163,8 @@ class SlotCache:
         assert seq_id not in self.row_of, f"sequence {seq_id} already has a row"
         self.row_of[seq_id] = self.batch_size
         self.committed[seq_id] = 0
+        self._pending_count[seq_id] = 0
+        self._holes = self._holes or self.used > 0  # the new row is EMPTY up to `used`
         new_meta = torch.full((1, self.capacity), EMPTY, dtype=torch.long, device=self.device)
         self.owner = torch.cat([self.owner, new_meta])
         self.pos = torch.cat([self.pos, torch.zeros_like(new_meta)])
@@ -179,6 +191,8 @@ class SlotCache:
         gone = {self.row_of.pop(s) for s in seq_ids}
         for s in seq_ids:
             self.committed.pop(s)
+            self._pending_count.pop(s)
+        self._dirty = True  # the columns only they used are free
         keep = [r for r in range(self.batch_size) if r not in gone]
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
         self.owner, self.pos = self.owner[index], self.pos[index]
@@ -189,49 +203,57 @@ class SlotCache:
         order = sorted(self.row_of, key=self.row_of.get)
         self.row_of = {s: r for r, s in enumerate(order)}
         if not self.row_of:
-            self.used = 0
+            self.used, self._dirty, self._holes = 0, False, False
 
     # ----------------------------------------------------------------------------- forward
-    def begin_forward(self, groups: torch.Tensor, positions: torch.Tensor,
-                      lower_upto: torch.Tensor | None = None) -> torch.Tensor | dict[str, torch.Tensor] | None:
+    def begin_forward(self, groups: torch.Tensor, positions: torch.Tensor, lower_upto: torch.Tensor | None = None,
+                      counts: list[int] | None = None) -> torch.Tensor | dict[str, torch.Tensor] | None:
         """Reserve columns for a forward of new tokens and return its 4D attention mask.
 
         groups, positions: [B, T] (group PADDING for padding tokens); lower_upto: [B, T] or None, the
-        position up to which a query also reads the pending entries of lower groups (-1: none). Returns
-        [B, 1, T, used + T], None when every query may see every key, or (layers of several kinds) a dict
-        {layer type: mask}.
+        position up to which a query also reads the pending entries of lower groups (-1: none); counts: the
+        tokens of each row that are not padding, when the caller knows them (the host then knows each row's
+        pending entries without reading them back); None: unknown. Returns [B, 1, T, used + T], None when every
+        query may see every key, or (layers of several kinds) a dict {layer type: mask}.
         """
         width = groups.shape[1]
         self._kv_rows()
         self._make_room(width)
+        context_only = not self._holes and all(n == 0 for n in self._pending_count.values())
         cols = slice(self.used, self.used + width)
         self.owner[:, cols] = groups
         self.pos[:, cols] = positions
         self._pending_width = width
+        self._padded = counts is None or any(n < width for n in counts)
+        for seq_id, row in self.row_of.items():
+            pending = self._pending_count[seq_id]
+            self._pending_count[seq_id] = None if counts is None or pending is None else pending + counts[row]
         if self.static:
             self._static_buffers()
             self._columns = torch.arange(self.used, self.used + width, device=self.device)
-        return self._attention_mask(groups, lower_upto)
+        return self._attention_mask(groups, lower_upto, context_only)
 
     def end_forward(self) -> None:
         """Account for the columns just written; padding columns become free."""
-        cols = slice(self.used, self.used + self._pending_width)
-        self.owner[:, cols].masked_fill_(self.owner[:, cols] == PADDING, EMPTY)
+        if self._padded:
+            cols = slice(self.used, self.used + self._pending_width)
+            self.owner[:, cols].masked_fill_(self.owner[:, cols] == PADDING, EMPTY)
+            self._dirty = True
         self.used += self._pending_width
         self._pending_width = 0
 
-    def _attention_mask(self, groups: torch.Tensor,
-                        lower_upto: torch.Tensor | None) -> torch.Tensor | dict[str, torch.Tensor] | None:
+    def _attention_mask(self, groups: torch.Tensor, lower_upto: torch.Tensor | None,
+                        context_only: bool) -> torch.Tensor | dict[str, torch.Tensor] | None:
+        """context_only: every column before the forward's is a CONTEXT entry (no hole, nothing pending)."""
         width = groups.shape[1]
         total = self.capacity if self.static else self.used + width  # static: the mask covers the whole buffer
         windowed = any(w is not None for w in self.windows.values())
-        if (width == 1 and not windowed and not self.static
-                and bool((self.owner[:, :self.used] == CONTEXT).all())):
+        if width == 1 and not windowed and not self.static and context_only:
             return None  # one new token per row over a hole-free context: plain attention (the AR fast path)
         owner = self.owner[:, None, :total]  # [B, 1, L]
         key_col = torch.arange(total, device=self.device)  # [L]
-        query_col = self.used + torch.arange(width, device=self.device)  # [T]
-        earlier = key_col[None, None, :] <= query_col[None, :, None]  # [1, T, L]
+        query_col = self._columns if self.static else key_col[self.used:]  # [T]
+        earlier = key_col <= query_col[:, None]  # [T, L]
         query_group = groups[:, :, None]  # [B, T, 1]
         visible = (owner == CONTEXT) | ((owner == query_group) & earlier)  # [B, T, L]
         if lower_upto is not None:
@@ -305,21 +327,37 @@ class SlotCache:
 
     # ----------------------------------------------------------------------------- space
     def _make_room(self, width: int) -> None:
-        self._reuse_empty_tail()
-        live = int((self.owner[:, :self.used] != EMPTY).sum(1).max()) if self.used else 0
+        """Room for `width` more columns: the emptied tail reused, the buffer compacted when holes waste too much of
+        it, grown when still full. Reads the metadata back only when something may have been dropped since the last
+        read or the buffer is full: otherwise the tail is filled and the waste has not changed."""
+        if not (self._dirty or self.used + width > self.capacity):
+            return
+        live = self._read_metadata()
         waste = self.used - live
         if self.used + width > self.capacity or waste > max(64, live // 2):
             self.compact()
         if self.used + width > self.capacity:
             self._grow(max(self.used + width, int(self.capacity * 1.5)))
 
-    def _reuse_empty_tail(self) -> None:
-        """Give back the columns after the last entry of any row (the drafts and masks a forward just dropped),
-        instead of leaving them as holes until the next compaction: a sequence decoded alone keeps its context
-        hole-free and in position order, in the columns AR decoding would use."""
-        if self.used:
-            filled = (self.owner[:, :self.used] != EMPTY).any(0).nonzero()
-            self.used = int(filled[-1]) + 1 if filled.numel() else 0
+    def _read_metadata(self) -> int:
+        """One read back to the host: the columns after the last entry of every row are given back (the drafts and
+        masks a forward just dropped, instead of holes until the next compaction: a sequence decoded alone keeps
+        its context hole-free and in position order, in the columns AR decoding would use), each row's pending
+        entries are counted, and whether any row has holes. Returns the live entries of the fullest row."""
+        self._dirty = False
+        if not self.used:
+            self._holes = False
+            return 0
+        owner = self.owner[:, :self.used]
+        live = owner != EMPTY
+        last = (live.any(0) * torch.arange(1, self.used + 1, device=self.device)).max()  # columns up to the last entry
+        numbers = torch.cat([last[None], live.sum(1), (owner >= 0).sum(1)]).tolist()
+        batch = self.batch_size
+        self.used, live_counts, pending = numbers[0], numbers[1:1 + batch], numbers[1 + batch:]
+        self._holes = any(n < self.used for n in live_counts)
+        for seq_id, row in self.row_of.items():
+            self._pending_count[seq_id] = pending[row]
+        return max(live_counts)
 
     def compact(self) -> None:
         """Move every row's live entries to the front of the buffer (their order is irrelevant)."""
@@ -327,7 +365,9 @@ class SlotCache:
             return
         live = self.owner[:, :self.used] != EMPTY  # [B, U]
         order = torch.argsort((~live).to(torch.int8), dim=1, stable=True)  # live first
-        new_used = int(live.sum(1).max())
+        live_counts = live.sum(1).tolist()
+        new_used = max(live_counts)
+        self._holes = any(n < new_used for n in live_counts)
         index = order[:, :new_used]  # [B, U']
         self.owner[:, :new_used] = torch.gather(self.owner[:, :self.used], 1, index)
         self.pos[:, :new_used] = torch.gather(self.pos[:, :self.used], 1, index)
@@ -361,25 +401,39 @@ class SlotCache:
         """Pending entries at `positions` (of `group`, when several groups hold a position) join the context;
         every other pending entry is dropped."""
         row, pending = self._pending(seq_id)
-        chosen = pending & torch.isin(self.pos[row, :self.used], positions)
-        if group is not None:
-            chosen &= self.owner[row, :self.used] == group
+        everything = self._pending_count[seq_id] == positions.numel()  # nothing is dropped (host count)
+        if self.check_invariants or not everything:
+            chosen = pending & torch.isin(self.pos[row, :self.used], positions)
+            if group is not None:
+                chosen &= self.owner[row, :self.used] == group
+        else:
+            chosen = pending  # every pending entry is one of `positions`
         if self.check_invariants:
-            found = int(chosen.sum())
+            found, held = torch.stack([chosen.sum(), pending.sum()]).tolist()
             if found != positions.numel():
                 raise RuntimeError(f"KV cache invariant broken: committing {positions.numel()} tokens, found {found}")
+            if self._pending_count[seq_id] not in (None, held):
+                raise RuntimeError(f"KV cache invariant broken: {held} pending entries, "
+                                   f"{self._pending_count[seq_id]} counted")
         owner = self.owner[row, :self.used]
-        owner.masked_fill_(pending, EMPTY)
+        if not everything:
+            owner.masked_fill_(pending, EMPTY)
+            self._dirty = True
         owner.masked_fill_(chosen, CONTEXT)
+        self._pending_count[seq_id] = 0
         self.committed[seq_id] += positions.numel()
         if self.check_invariants:
             self.check(seq_id)
 
     def retain(self, seq_id: int, positions: torch.Tensor | None = None) -> None:
         """Keep the pending entries at `positions` (None: none) pending; drop every other pending entry."""
+        if self._pending_count[seq_id] == 0:
+            return  # nothing pending
         row, pending = self._pending(seq_id)
         drop = pending if positions is None else pending & ~torch.isin(self.pos[row, :self.used], positions)
         self.owner[row, :self.used].masked_fill_(drop, EMPTY)
+        self._pending_count[seq_id] = 0 if positions is None else None  # several groups may hold a position
+        self._dirty = True
 
     def discard(self, seq_id: int) -> None:
         """Drop every pending entry of a sequence: its cache is exactly its context again."""

@@ -142,21 +142,18 @@ class Decoder:
 
     def _forward(self, requests: list[Forward]) -> list[torch.Tensor]:
         """One batched forward; requests are right-aligned (left padding) in cache-row order."""
-        batch, width = len(requests), max(r.tokens.numel() for r in requests)
+        counts = [r.tokens.numel() for r in requests]
+        batch, width = len(requests), max(counts)
         bucket = bucket_width(width) if self.compiled is not None else None
         width = bucket or width  # compiled: padded up to its bucket (padding is invisible and leaves no entry)
-        input_ids = torch.zeros(batch, width, dtype=torch.long, device=self.device)
-        positions = torch.zeros(batch, width, dtype=torch.long, device=self.device)
-        groups = torch.full((batch, width), PADDING, dtype=torch.long, device=self.device)
         branched = any(r.lower_upto is not None for r in requests)
-        lower_upto = torch.full((batch, width), -1, dtype=torch.long, device=self.device) if branched else None
-        for b, r in enumerate(requests):
-            n = r.tokens.numel()
-            input_ids[b, width - n:], positions[b, width - n:], groups[b, width - n:] = r.tokens, r.positions, r.groups
-            if r.lower_upto is not None:
-                lower_upto[b, width - n:] = r.lower_upto
+        if batch == 1 and counts[0] == width and not branched:  # the request as it is: nothing to pad or copy
+            r = requests[0]
+            input_ids, positions, groups, lower_upto = r.tokens[None], r.positions[None], r.groups[None], None
+        else:
+            input_ids, positions, groups, lower_upto = padded_inputs(requests, width, branched, self.device)
         keep = max(r.tokens.numel() - r.logits_from for r in requests)  # logits needed, counted from the end
-        mask = self.cache.begin_forward(groups, positions, lower_upto)
+        mask = self.cache.begin_forward(groups, positions, lower_upto, counts)
         kwargs = {"logits_to_keep": width if bucket else keep} if self._logits_to_keep else {}  # compiled: fixed
         start = time.perf_counter()
         if self.compact is not None:
@@ -174,6 +171,22 @@ class Decoder:
         self.stats.forwards += 1
         self.cache.end_forward()
         return [logits[b, keep - (r.tokens.numel() - r.logits_from):] for b, r in enumerate(requests)]
+
+
+def padded_inputs(requests: list[Forward], width: int, branched: bool, device: torch.device):
+    """(input_ids, positions, groups, lower_upto or None), each [B, width]: the requests right-aligned (left
+    padding: group PADDING, lower_upto -1)."""
+    batch = len(requests)
+    input_ids = torch.zeros(batch, width, dtype=torch.long, device=device)
+    positions = torch.zeros(batch, width, dtype=torch.long, device=device)
+    groups = torch.full((batch, width), PADDING, dtype=torch.long, device=device)
+    lower_upto = torch.full((batch, width), -1, dtype=torch.long, device=device) if branched else None
+    for b, r in enumerate(requests):
+        n = r.tokens.numel()
+        input_ids[b, width - n:], positions[b, width - n:], groups[b, width - n:] = r.tokens, r.positions, r.groups
+        if r.lower_upto is not None:
+            lower_upto[b, width - n:] = r.lower_upto
+    return input_ids, positions, groups, lower_upto
 
 
 def kv_layout(text_config, dtype: torch.dtype) -> tuple[int, int, torch.dtype]:

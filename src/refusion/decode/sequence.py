@@ -76,6 +76,7 @@ class Sequence:
         self.prompt = torch.tensor(prompt, dtype=torch.long, device=device)
         self.mask_token_id = mask_token_id
         self.eos_ids = torch.tensor(eos_token_ids, dtype=torch.long, device=device)
+        self._eos_id_set = frozenset(eos_token_ids)  # the same ids, for tokens already on the host
         self.generator = generator
         self.committed_tokens: list[torch.Tensor] = []
         self.committed_positions: list[torch.Tensor] = []
@@ -94,6 +95,10 @@ class Sequence:
 
     def is_eos(self, tokens: torch.Tensor) -> torch.Tensor:
         return torch.isin(tokens, self.eos_ids)
+
+    def is_eos_id(self, token_id: int) -> bool:
+        """Whether a token id (read back to the host) ends the sequence."""
+        return token_id in self._eos_id_set
 
     @property
     def wants_logprobs(self) -> bool:

@@ -15,20 +15,23 @@ def autoregressive_program(seq: Sequence) -> Program:
     prompt_length = seq.prompt_length
     logits = yield prefill(seq, torch.empty(0, dtype=torch.long, device=device), logits_from=prompt_length - 1)
     seq.commit(seq.prompt, torch.arange(prompt_length, device=device))
+    positions = torch.arange(prompt_length, prompt_length + cfg.max_new_tokens, device=device)  # one copy for all
+    group = torch.zeros(1, dtype=torch.long, device=device)
     for i in range(cfg.max_new_tokens):
         allowed = logits[-1] if seq.grammar is None else seq.grammar.mask(logits[-1])  # structured output
         token = next_token(allowed, cfg.temperature, seq.generator)
         logprobs = seq.logprobs_of(logits[-1:], token)  # None unless cfg.logprobs
-        position = torch.tensor([prompt_length + i], device=device)
-        eos = bool(seq.is_eos(token))
+        position = positions[i:i + 1]
+        token_ids = token.tolist()  # the one read back of a step
+        eos = seq.is_eos_id(token_ids[0])
         last = eos or i == cfg.max_new_tokens - 1
         if seq.grammar is not None and not eos:
-            seq.grammar.consume(token.tolist())
+            seq.grammar.consume(token_ids)
         if not last:
-            logits = yield Forward(token, position, torch.zeros_like(position))
+            logits = yield Forward(token, position, group)
         seq.commit(token, position, cached=not last, logprobs=logprobs)
         seq.record(RoundTrace(index=seq.stats.rounds, block=0, masked_slots=[], planned=[],
-                              committed=[SlotEvent(int(position), token.tolist())], how="autoregressive",
+                              committed=[SlotEvent(prompt_length + i, token_ids)], how="autoregressive",
                               forwards=1, finished=eos, phase_forwards={"prefill" if i == 0 else "decode": 1}))
         if last:
             seq.finish("eos" if eos else "length")

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from refusion.decode.costs import AcceptanceByDepth, best_draft_count
-from refusion.decode.infill import cut_after_first_eos
 from refusion.decode.logprobs import TokenLogprobs
 from refusion.decode.outputs import RoundTrace, SlotEvent
 from refusion.decode.plan import next_token
@@ -114,21 +113,22 @@ def speculative_program(seq: Sequence) -> Program:
     text = seq.prompt.tolist()  # prompt and committed response: what prompt lookup searches
     acceptance: dict[str, AcceptanceByDepth] = {}  # by draft source ("lookup", "table"): for the cost-aware cut
     while True:
-        eos = bool(seq.is_eos(token))
+        token_ids = token.tolist()  # the next token, read back once
+        eos = seq.is_eos_id(token_ids[0])
         if eos or position == end - 1:  # the last token needs no forward
             seq.commit(token, torch.tensor([position], device=device), cached=False, logprobs=token_logprobs)
             seq.record(RoundTrace(index=seq.stats.rounds, block=0, masked_slots=[], planned=[],
-                                  committed=[SlotEvent(position, token.tolist())], how="speculative",
+                                  committed=[SlotEvent(position, token_ids)], how="speculative",
                                   forwards=sum(phases.values()), finished=eos, phase_forwards=phases))
             seq.finish("eos" if eos else "length")
             return
         phases["verify"] = phases.get("verify", 0) + 1
-        copied, source = text_drafts(text + token.tolist(), cfg.lookup_length, cfg.table_length, seq.draft_table)
+        copied, source = text_drafts(text + token_ids, cfg.lookup_length, cfg.table_length, seq.draft_table)
         if copied:
             drafts = copied_drafts(copied, logits.shape[-1], cfg.temperature, device)
         drafts = drafts[: end - 1 - position]
         if seq.grammar is not None:  # structured output: verify only drafts the grammar allows after the token
-            seq.grammar.consume(token.tolist())
+            seq.grammar.consume(token_ids)
             drafts = drafts[: seq.grammar.valid_prefix(drafts.tokens.tolist())]
         record = acceptance.setdefault(source, AcceptanceByDepth()) if copied else None
         if record is not None and seq.forward_costs is not None and drafts.tokens.numel():  # those that pay
@@ -156,17 +156,17 @@ def speculative_program(seq: Sequence) -> Program:
         verified = seq.logprobs_of(layout.chain_logits(logits)[: accepted + 1],
                                    torch.cat([drafts.tokens[:accepted], following]))
         logprobs = None if verified is None else TokenLogprobs.cat([token_logprobs, verified[:accepted]])
-        eos = seq.is_eos(tokens)
-        if bool(eos.any()):
-            keep = cut_after_first_eos(eos)
-            tokens, logprobs = tokens[keep], None if logprobs is None else logprobs[keep]
+        committed = tokens.tolist()
+        done = any(map(seq.is_eos_id, committed))
+        if done:  # cut after the first EOS
+            cut = next(i for i, t in enumerate(committed) if seq.is_eos_id(t)) + 1
+            tokens, committed, logprobs = tokens[:cut], committed[:cut], None if logprobs is None else logprobs[:cut]
         seq.commit(tokens, request.positions[: tokens.numel()], group=0,  # pre-drafts may share positions
                    logprobs=logprobs)
-        text += tokens.tolist()
-        done = bool(eos.any())
+        text += committed
         seq.record(RoundTrace(index=seq.stats.rounds, block=0, masked_slots=[],
                               planned=[SlotEvent(position + 1, drafts.tokens.tolist())] if n else [],
-                              committed=[SlotEvent(position, tokens.tolist())], how="speculative",
+                              committed=[SlotEvent(position, committed)], how="speculative",
                               forwards=sum(phases.values()), finished=done, phase_forwards=phases, drafted=n,
                               accepted=min(accepted, tokens.numel() - 1)))
         phases = {}
