@@ -163,12 +163,18 @@ def test_cut_after_first_eos():
 def test_greedy_accepts_drafts_while_they_equal_the_ar_argmax():
     ar_logits = log_probs([0.1, 0.2, 0.7], [0.1, 0.8, 0.1], [0.3, 0.1, 0.6], [0.5, 0.4, 0.1])  # argmax 2 1 2 0
     drafts = Drafts(torch.tensor([2, 1, 0]), None)
-    accepted, following = accept_drafts(drafts, ar_logits, 0.0, None)
-    assert (accepted, following.tolist()) == (2, [2])  # the third draft (0) is not the argmax (2)
-    accepted, following = accept_drafts(Drafts(torch.tensor([2, 1, 2]), None), ar_logits, 0.0, None)
-    assert (accepted, following.tolist()) == (3, [0])  # all accepted: the token after the last draft
-    accepted, following = accept_drafts(Drafts.none("cpu"), ar_logits[:1], 0.0, None)
-    assert (accepted, following.tolist()) == (0, [2])
+    assert accepted_and_following(drafts, ar_logits, 0.0, None) == (2, 2)  # the third draft (0) is not the argmax (2)
+    # all accepted: the token after the last draft (drafts whose ids the host knows, as copied ones, alike)
+    assert accepted_and_following(Drafts(torch.tensor([2, 1, 2]), None), ar_logits, 0.0, None) == (3, 0)
+    assert accepted_and_following(Drafts(torch.tensor([2, 1, 2]), None, (2, 1, 2)), ar_logits, 0.0, None) == (3, 0)
+    assert accepted_and_following(Drafts.none("cpu"), ar_logits[:1], 0.0, None) == (0, 2)
+
+
+def accepted_and_following(*args) -> tuple[int, int]:
+    """accept_drafts' (accepted, following token), after checking that the host's copy of that token is its own."""
+    accepted, following, following_id = accept_drafts(*args)
+    assert following.shape == (1,) and following.tolist() == [following_id]
+    return accepted, following_id
 
 
 def test_sampling_accepts_every_draft_when_q_equals_p():
@@ -176,16 +182,14 @@ def test_sampling_accepts_every_draft_when_q_equals_p():
     drafts = Drafts(torch.tensor([1, 2]), one_hot)
     ar_logits = log_probs([0, 1, 0], [0, 0, 1], [1, 0, 0])
     for seed in range(20):
-        accepted, following = accept_drafts(drafts, ar_logits, 1.0, seeded(seed))
-        assert (accepted, following.tolist()) == (2, [0])
+        assert accepted_and_following(drafts, ar_logits, 1.0, seeded(seed)) == (2, 0)
 
 
 def test_sampling_rejects_a_draft_the_target_never_gives_and_samples_the_residual():
     drafts = Drafts(torch.tensor([1, 1]), torch.tensor([[0.0, 1.0, 0.0], [0.0, 1.0, 0.0]]))
     ar_logits = log_probs([0, 0, 1], [1, 0, 0], [1, 0, 0])  # p(1) = 0 at the first draft
     for seed in range(20):
-        accepted, following = accept_drafts(drafts, ar_logits, 1.0, seeded(seed))
-        assert (accepted, following.tolist()) == (0, [2])  # residual max(0, p - q) = p: token 2
+        assert accepted_and_following(drafts, ar_logits, 1.0, seeded(seed)) == (0, 2)  # residual max(0, p - q) = p
 
 
 def test_speculative_sampling_keeps_the_target_distribution():
@@ -195,9 +199,9 @@ def test_speculative_sampling_keeps_the_target_distribution():
     ar_logits = log_probs([0.5, 0.5, 0.0], [0.0, 0.0, 1.0])
     firsts, generator = [], seeded()
     for _ in range(500):
-        accepted, following = accept_drafts(drafts, ar_logits, 1.0, generator)
-        firsts.append(0 if accepted == 1 else int(following))
-        assert accepted == 0 or following.tolist() == [2]
+        accepted, following = accepted_and_following(drafts, ar_logits, 1.0, generator)
+        firsts.append(0 if accepted == 1 else following)
+        assert accepted == 0 or following == 2
     assert sum(t == 0 for t in firsts) / len(firsts) == pytest.approx(0.5, abs=0.07)  # 3 sigma
     assert set(firsts) == {0, 1}
 

@@ -57,7 +57,9 @@ def test_disconnect_mid_stream_frees_the_row(tiny):
             received += chunk.choices[0].delta.content or ""
             if len(received) >= 3:
                 break
+        live.scheduler.pause()  # however fast the decode, the request is still live when its client goes
         stream.close()  # the client goes away mid-stream
+        live.scheduler.resume()
         status = live.wait_idle()
         assert status["cancelled"] == 1 and status["completed"] == 0
         # the only batch row is free again: a new request is served at once
@@ -66,10 +68,23 @@ def test_disconnect_mid_stream_frees_the_row(tiny):
 
 def test_disconnect_of_a_non_streamed_request_frees_the_row(tiny):
     with live_server(tiny, max_batch_size=1, max_queue=4) as live:
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{live.url}/v1/chat/completions", json=long_body(), timeout=httpx.Timeout(30, read=0.3))
+        timed_out = []
+
+        def post():
+            try:
+                httpx.post(f"{live.url}/v1/chat/completions", json=long_body(), timeout=httpx.Timeout(30, read=0.3))
+            except httpx.ReadTimeout:
+                timed_out.append(True)
+        client = threading.Thread(target=post)
+        client.start()
+        deadline = time.monotonic() + 10
+        while live.scheduler.status()["live"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        live.scheduler.pause()  # the request holds its row, decoding nothing, until its client has gone
+        client.join()
+        live.scheduler.resume()
         status = live.wait_idle()
-        assert status["cancelled"] == 1 and status["completed"] == 0
+        assert timed_out and status["cancelled"] == 1 and status["completed"] == 0
 
 
 def test_disconnect_while_queued_drops_the_job(tiny):

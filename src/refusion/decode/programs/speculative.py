@@ -99,7 +99,7 @@ def speculative_program(seq: Sequence) -> Program:
         if mask_logits is None:
             return Drafts.none(device)
         drafts = draft_tokens_from_masks(mask_logits, cfg.temperature, seq.generator)
-        return confident_drafts(drafts, mask_logits, cfg.draft_threshold)
+        return confident_drafts(drafts, mask_logits, cfg.draft_threshold).on_host()
 
     request, layout = DraftingLayout.prefill(seq, draft_masks(prompt_length - 1))
     logits = yield request
@@ -107,29 +107,29 @@ def speculative_program(seq: Sequence) -> Program:
     first = layout.chain_logits(logits)[0]
     allowed = first if seq.grammar is None else seq.grammar.mask(first)  # structured output
     token = next_token(allowed, cfg.temperature, seq.generator)  # the token at `position`
+    token_id = int(token)  # on the host: every later round's comes with its acceptance
     token_logprobs = seq.logprobs_of(layout.chain_logits(logits)[:1], token)  # None unless cfg.logprobs
     drafts = drafts_from(layout.draft_logits(logits, 0))
     position, phases = prompt_length, {"prefill": 1}  # the first round also accounts for the prefill
     text = seq.prompt.tolist()  # prompt and committed response: what prompt lookup searches
     acceptance: dict[str, AcceptanceByDepth] = {}  # by draft source ("lookup", "table"): for the cost-aware cut
     while True:
-        token_ids = token.tolist()  # the next token, read back once
-        eos = seq.is_eos_id(token_ids[0])
+        eos = seq.is_eos_id(token_id)
         if eos or position == end - 1:  # the last token needs no forward
             seq.commit(token, torch.tensor([position], device=device), cached=False, logprobs=token_logprobs)
             seq.record(RoundTrace(index=seq.stats.rounds, block=0, masked_slots=[], planned=[],
-                                  committed=[SlotEvent(position, token_ids)], how="speculative",
+                                  committed=[SlotEvent(position, [token_id])], how="speculative",
                                   forwards=sum(phases.values()), finished=eos, phase_forwards=phases))
             seq.finish("eos" if eos else "length")
             return
         phases["verify"] = phases.get("verify", 0) + 1
-        copied, source = text_drafts(text + token_ids, cfg.lookup_length, cfg.table_length, seq.draft_table)
+        copied, source = text_drafts(text + [token_id], cfg.lookup_length, cfg.table_length, seq.draft_table)
         if copied:
             drafts = copied_drafts(copied, logits.shape[-1], cfg.temperature, device)
         drafts = drafts[: end - 1 - position]
         if seq.grammar is not None:  # structured output: verify only drafts the grammar allows after the token
-            seq.grammar.consume(token_ids)
-            drafts = drafts[: seq.grammar.valid_prefix(drafts.tokens.tolist())]
+            seq.grammar.consume([token_id])
+            drafts = drafts[: seq.grammar.valid_prefix(list(drafts.ids))]
         record = acceptance.setdefault(source, AcceptanceByDepth()) if copied else None
         if record is not None and seq.forward_costs is not None and drafts.tokens.numel():  # those that pay
             drafts = drafts[: best_draft_count(drafts.tokens.numel(), record, seq.forward_costs)]
@@ -144,19 +144,19 @@ def speculative_program(seq: Sequence) -> Program:
 
         verifying = layout.chain_logits(logits)
         if seq.grammar is not None:  # each row masked by the grammar state after the chain tokens before it
-            verifying = seq.grammar.mask_chain(verifying, drafts.tokens.tolist())
-        accepted, following = accept_drafts(drafts, verifying, cfg.temperature, seq.generator)
+            verifying = seq.grammar.mask_chain(verifying, list(drafts.ids))
+        accepted, following, following_id = accept_drafts(drafts, verifying, cfg.temperature, seq.generator)
         if record is not None and n:
             record.record(n, accepted)
         if seq.grammar is not None:
-            seq.grammar.consume(drafts.tokens[:accepted].tolist())
+            seq.grammar.consume(list(drafts.ids[:accepted]))
         tokens = chain[: accepted + 1]
         # logprobs: the next token's from the forward that decided it, each accepted draft's and the following
         # token's from this forward's AR rows (row i predicts chain token i + 1)
         verified = seq.logprobs_of(layout.chain_logits(logits)[: accepted + 1],
                                    torch.cat([drafts.tokens[:accepted], following]))
         logprobs = None if verified is None else TokenLogprobs.cat([token_logprobs, verified[:accepted]])
-        committed = tokens.tolist()
+        committed = [token_id, *drafts.ids[:accepted]]
         done = any(map(seq.is_eos_id, committed))
         if done:  # cut after the first EOS
             cut = next(i for i, t in enumerate(committed) if seq.is_eos_id(t)) + 1
@@ -165,7 +165,7 @@ def speculative_program(seq: Sequence) -> Program:
                    logprobs=logprobs)
         text += committed
         seq.record(RoundTrace(index=seq.stats.rounds, block=0, masked_slots=[],
-                              planned=[SlotEvent(position + 1, drafts.tokens.tolist())] if n else [],
+                              planned=[SlotEvent(position + 1, list(drafts.ids))] if n else [],
                               committed=[SlotEvent(position, committed)], how="speculative",
                               forwards=sum(phases.values()), finished=done, phase_forwards=phases, drafted=n,
                               accepted=min(accepted, tokens.numel() - 1)))
@@ -174,5 +174,5 @@ def speculative_program(seq: Sequence) -> Program:
         if done or position == end:
             seq.finish("eos" if done else "length")
             return
-        token, token_logprobs = following, None if verified is None else verified[accepted:]
+        token, token_id, token_logprobs = following, following_id, None if verified is None else verified[accepted:]
         drafts = drafts_from(layout.draft_logits(logits, accepted))
