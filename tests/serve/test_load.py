@@ -26,6 +26,14 @@ def long_body(**kwargs) -> dict:
     return body(max_tokens=LONG["max_tokens"], refusion=LONG["extra_body"]["refusion"], **kwargs)
 
 
+def wait_until_cancelled(live: LiveServer) -> None:
+    """While the scheduler is paused: wait until the server has noticed that the live requests' clients left (it
+    checks every DISCONNECT_POLL_SECONDS), so that no decode can finish first once it resumes."""
+    deadline = time.monotonic() + 10
+    while not all(job.cancelled for job in live.scheduler.live) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_full_queue_answers_503_then_recovers(tiny):
     with live_server(tiny, max_batch_size=1, max_queue=1) as live:
         live.scheduler.pause()  # hold everything in the queue, so that it fills deterministically
@@ -59,6 +67,7 @@ def test_disconnect_mid_stream_frees_the_row(tiny):
                 break
         live.scheduler.pause()  # however fast the decode, the request is still live when its client goes
         stream.close()  # the client goes away mid-stream
+        wait_until_cancelled(live)
         live.scheduler.resume()
         status = live.wait_idle()
         assert status["cancelled"] == 1 and status["completed"] == 0
@@ -82,9 +91,10 @@ def test_disconnect_of_a_non_streamed_request_frees_the_row(tiny):
             time.sleep(0.001)
         live.scheduler.pause()  # the request holds its row, decoding nothing, until its client has gone
         client.join()
+        wait_until_cancelled(live)
         live.scheduler.resume()
         status = live.wait_idle()
-        assert timed_out and status["cancelled"] == 1 and status["completed"] == 0
+        assert timed_out and status["cancelled"] == 1 and status["completed"] == 0, str(status)
 
 
 def test_disconnect_while_queued_drops_the_job(tiny):

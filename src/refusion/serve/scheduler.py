@@ -437,7 +437,10 @@ class Scheduler:
         return self.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def _leave(self, job: Job, event: Event) -> None:
-        """Take a job out of the batch (freeing its cache row) and send its final event."""
+        """Take a job out of the batch (freeing its cache row) and send its final event. Counted first: whoever
+        reads `status()` and sees the job gone sees its outcome."""
+        outcome = "completed" if event.error is None and event.finish_reason != "cancelled" else "cancelled"
+        self.counters["aborted" if event.error is not None else outcome] += 1
         if job in self.live:
             self.live.remove(job)
             try:
@@ -445,16 +448,14 @@ class Scheduler:
             except Exception:
                 log.exception("closing a cancelled sequence failed (its row is freed)")
         job.done = True
-        outcome = "completed" if event.error is None and event.finish_reason != "cancelled" else "cancelled"
-        self.counters["aborted" if event.error is not None else outcome] += 1
         self.observer.sequence_left(job, outcome)
         job.emit(event)
 
     def _fail(self, job: Job, message: str) -> None:
         """End one job with a "decoding_failed" error (its sequence already left the decoder)."""
+        self.counters["failed"] += 1  # counted first, as in _leave
         if job in self.live:
             self.live.remove(job)
-        self.counters["failed"] += 1
         job.done = True
         self.observer.sequence_left(job, "failed")
         job.emit(Event(error=message, code=DECODING_FAILED, completion_tokens=job.tokens))
