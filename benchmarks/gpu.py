@@ -18,6 +18,7 @@ measured in one run on one device:
 
     python benchmarks/gpu.py                              # Qwen3-8B shape on the GPU, bf16, ~5 minutes
     python benchmarks/gpu.py --config small --device cpu  # the same measurements on a small model
+    python benchmarks/gpu.py --no-eager --compile-runs inductor:plan_and_infill  # widths, transformers compiled, one mode
 """
 
 from __future__ import annotations
@@ -187,6 +188,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="also time transformers' static-cache compiled generate and refusion's compiled "
                              "modes (default: on a GPU)")
     parser.add_argument("--profile", action="store_true", help="print the host's operator time of AR decoding")
+    parser.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
+                        help="time the eager decodes (refusion's modes, transformers' generate); --no-eager: only "
+                             "the forwards by width and the compiled runs, for a short GPU call")
     parser.add_argument("--compile-runs", default=",".join(COMPILE_RUNS),
                         help="refusion's compiled runs, BACKEND:MODE, timed in this order")
     parser.add_argument("--compile-budget", type=float, default=200.0,
@@ -205,14 +209,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     results = {"forward_by_width": forward_ms_by_width(model, device, args.prompt_length, widths, args.repeats)}
     print("forward_by_width", json.dumps(results["forward_by_width"]), flush=True)
-    for name, cfg in refusion_modes(args.max_new_tokens).items():
+    for name, cfg in refusion_modes(args.max_new_tokens).items() if args.eager else ():
         refusion.generate(model, prompts[:1], cfg.replace(max_new_tokens=min(8, args.max_new_tokens)))  # warm-up
         results[f"refusion_{name}"] = time_refusion(model, prompts, cfg)
         print(f"refusion_{name}", json.dumps(results[f"refusion_{name}"]), flush=True)
     if args.profile:
         profile_ar(model, prompts[0])
-    results["transformers_generate"] = time_transformers(model, prompts, args.max_new_tokens, device, False)
-    print("transformers_generate", json.dumps(results["transformers_generate"]), flush=True)
+    if args.eager:
+        results["transformers_generate"] = time_transformers(model, prompts, args.max_new_tokens, device, False)
+        print("transformers_generate", json.dumps(results["transformers_generate"]), flush=True)
     if compiled:
         try:
             results["transformers_generate_compiled"] = time_transformers(model, prompts, args.max_new_tokens,
@@ -232,14 +237,14 @@ def main(argv: list[str] | None = None) -> dict:
             except Exception as e:
                 results[key] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             print(key, json.dumps(results[key]), flush=True)
-    ar = results["refusion_autoregressive"]["tokens_per_second"]
+    ar = results.get("refusion_autoregressive", {}).get("tokens_per_second")  # eager AR: the ratios' unit
     summary = {
         "benchmark": "gpu", "config": args.config, "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
         "dtype": str(dtype).removeprefix("torch."), "prompts": args.prompts, "prompt_length": args.prompt_length,
         "max_new_tokens": args.max_new_tokens, "torch": torch.__version__, "results": results,
         "speed_over_refusion_ar": {name: r["tokens_per_second"] / ar for name, r in results.items()
-                                   if "tokens_per_second" in r},
+                                   if "tokens_per_second" in r} if ar else {},
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     for name, r in results.items():

@@ -28,3 +28,9 @@ def test_the_gpu_benchmark_runs_on_the_cpu_and_ends_with_one_json_line(capsys):
     assert results["refusion_autoregressive"]["tokens_per_forward"] == 1
     assert "transformers_generate" in results and "transformers_generate_compiled" not in results  # CPU: off
     assert summary["speed_over_refusion_ar"]["refusion_autoregressive"] == 1
+
+
+def test_without_the_eager_decodes_only_the_forwards_are_timed(capsys):
+    summary = load_benchmark().main(["--config", "small", "--device", "cpu", "--prompts", "1", "--max-new-tokens",
+                                     "6", "--prompt-length", "12", "--widths", "1,8", "--repeats", "1", "--no-eager"])
+    assert list(summary["results"]) == ["forward_by_width"] and summary["speed_over_refusion_ar"] == {}
