@@ -157,9 +157,9 @@ def speculative_program(seq: Sequence) -> Program:
                                    torch.cat([drafts.tokens[:accepted], following]))
         logprobs = None if verified is None else TokenLogprobs.cat([token_logprobs, verified[:accepted]])
         committed = [token_id, *drafts.ids[:accepted]]
-        done = any(map(seq.is_eos_id, committed))
-        if done:  # cut after the first EOS
-            cut = next(i for i, t in enumerate(committed) if seq.is_eos_id(t)) + 1
+        cut = next((i + 1 for i, t in enumerate(committed) if seq.is_eos_id(t)), None)  # just after the first EOS
+        done = cut is not None
+        if done:
             tokens, committed, logprobs = tokens[:cut], committed[:cut], None if logprobs is None else logprobs[:cut]
         seq.commit(tokens, request.positions[: tokens.numel()], group=0,  # pre-drafts may share positions
                    logprobs=logprobs)
