@@ -10,7 +10,9 @@ train; `open_ended_prompts("train")` is what a drafter may be distilled and trai
 --input open-ended`). `open_ended_prompts("extra")` (`--input open-ended-extra`) adds 920 requests for training
 only: the same templates over topics the set does not use, and rewrites of the next GSM8K train questions;
 `open_ended_prompts("extra-2")` and `("extra-3")` (`--input open-ended-extra-2`, `open-ended-extra-3`) 1,841 and
-1,375 more the same way, each on topics and texts no earlier set uses.
+1,375 more the same way, each on topics and texts no earlier set uses; `("extra-4")` 9,864 more from new
+templates (lists of facts, analogies, quizzes, guides, plans, titles, dialogues...) over the extra sets' topics
+and the next GSM8K train questions.
 """
 
 from __future__ import annotations
@@ -196,33 +198,61 @@ EXTRA_3_ACTIVITIES = ("learn to play tennis", "start rock climbing", "build a mo
 
 REWRITE = ("Summarize the following text in one sentence.\n\n{}", "Rewrite the following text in simpler words.\n\n{}",
            "Turn the following text into a short story.\n\n{}")
+TEMPLATES = (EXPLAIN, STORY, HOW_TO, REWRITE)
+"""The set's request templates by kind: explanations, stories, how-tos, rewrites."""
+
+EXTRA_4_TEMPLATES = (
+    ("List five interesting facts about {}.", "What are the main parts of {}? Describe each one briefly.",
+     "Explain {} using a simple everyday analogy.", "Write a short paragraph about the history of {}.",
+     "What are some common misconceptions about {}?", "Write three quiz questions about {}, with their answers.",
+     "In three sentences, explain {} to someone who has never heard of it.",
+     "How would you teach a class about {}? Give a short lesson plan.",
+     "Write the opening paragraph of a blog post about {}.",
+     "What might a curious child ask about {}? Answer two of the questions.",
+     "Give a short definition of {} and one example.", "Why is {} important to people today?"),
+    (),
+    ("What do I need before I {}? Make a short list.", "Write a beginner's guide on how to {}.",
+     "Explain the first three steps to {}.", "Why is it worth it to {}?",
+     "My friend wants to {}. What advice would you give?", "Give me a simple one-week plan to {}.",
+     "What is the easiest way to {}?", "Describe how to {} in one paragraph."),
+    REWRITE + ("Explain the following problem in your own words, without solving it.\n\n{}",
+               "List the facts given in the following text.\n\n{}", "Write a title for the following text.\n\n{}",
+               "Rewrite the following text as a short dialogue.\n\n{}"))
+"""The fourth extra set's templates (`open_ended_prompts("extra-4")`), in no earlier set: twelve explanations,
+eight how-tos and four more rewrites (with the set's three) per topic or text; no stories (most run past the
+length limit)."""
 REWRITTEN_TEXTS = 40
 """GSM8K train questions rewritten or summarized (the first ones of the file)."""
 HELD_OUT_EVERY = 5
 """Every fifth request of the shuffled set is held out."""
 SEED = 0
 """The fixed shuffle's seed: the set and its split are the same on every machine."""
-EXTRA_SETS = {"extra": (EXTRA_CONCEPTS, EXTRA_SUBJECTS, EXTRA_ACTIVITIES, 100),
-              "extra-2": (EXTRA_2_CONCEPTS, EXTRA_2_SUBJECTS, EXTRA_2_ACTIVITIES, 200),
-              "extra-3": (EXTRA_3_CONCEPTS, (), EXTRA_3_ACTIVITIES, 150)}
+EXTRA_SETS = {"extra": (EXTRA_CONCEPTS, EXTRA_SUBJECTS, EXTRA_ACTIVITIES, 100, TEMPLATES),
+              "extra-2": (EXTRA_2_CONCEPTS, EXTRA_2_SUBJECTS, EXTRA_2_ACTIVITIES, 200, TEMPLATES),
+              "extra-3": (EXTRA_3_CONCEPTS, (), EXTRA_3_ACTIVITIES, 150, TEMPLATES),
+              "extra-4": (EXTRA_CONCEPTS + EXTRA_2_CONCEPTS + EXTRA_3_CONCEPTS, (),
+                          EXTRA_ACTIVITIES + EXTRA_2_ACTIVITIES + EXTRA_3_ACTIVITIES, 600, EXTRA_4_TEMPLATES)}
 """The sets of extra requests, for training only: (concepts, subjects, activities, GSM8K train questions to
-rewrite: the next ones after the earlier sets')."""
+rewrite: the next ones after the earlier sets', templates by kind). The first three use the set's templates on
+topics of their own; the fourth, new templates on the earlier extra sets' topics (never the set's own)."""
 SPLITS = {"open-ended": "train", "open-ended-test": "test", **{f"open-ended-{name}": name for name in EXTRA_SETS}}
 """The `generate --input` names of the two parts and of the sets of extra requests."""
 
 
-def _compose(concepts, subjects, activities, texts: slice, data_dir: str | Path | None) -> list[tuple[str, str]]:
+def _compose(concepts, subjects, activities, texts: slice, data_dir: str | Path | None,
+             templates=TEMPLATES) -> list[tuple[str, str]]:
     """(kind, request) of the templates over these topics, then rewrites of the GSM8K train questions `texts`
     (a slice of the file's lines), in composition order."""
     from refusion.data import builtin_train_file
 
-    requests = [("explain", t.format(c)) for t, c in itertools.product(EXPLAIN, concepts)]
-    requests += [("story", t.format(s)) for t, s in itertools.product(STORY, subjects)]
-    requests += [("how-to", t.format(a)) for t, a in itertools.product(HOW_TO, activities)]
+    explain, story, how_to, rewrite = templates
+    requests = [("explain", t.format(c)) for t, c in itertools.product(explain, concepts)]
+    requests += [("story", t.format(s)) for t, s in itertools.product(story, subjects)]
+    requests += [("how-to", t.format(a)) for t, a in itertools.product(how_to, activities)]
     with open(builtin_train_file("gsm8k", data_dir), encoding="utf-8") as f:
         lines = itertools.islice(f, texts.start, texts.stop)
         questions = [json.loads(line)["question"].strip() for line in lines]
-    requests += [("rewrite", t.format(text)) for t, text in itertools.product(REWRITE, questions)]
+    requests += [("rewrite", t.format(text)) for t, text in itertools.product(rewrite, questions)]
     return requests
 
 
@@ -235,9 +265,9 @@ def _extra_requests(name: str, data_dir: str | Path | None) -> list[tuple[str, s
     """(kind, request) of one set of extra requests (EXTRA_SETS): the templates over topics no other set uses,
     and rewrites of the GSM8K train questions after those of the sets before it."""
     first = REWRITTEN_TEXTS
-    for other, (concepts, subjects, activities, texts) in EXTRA_SETS.items():
+    for other, (concepts, subjects, activities, texts, templates) in EXTRA_SETS.items():
         if other == name:
-            return _compose(concepts, subjects, activities, slice(first, first + texts), data_dir)
+            return _compose(concepts, subjects, activities, slice(first, first + texts), data_dir, templates)
         first += texts
     raise KeyError(name)
 
@@ -253,8 +283,9 @@ def open_ended_prompts(split: str, data_dir: str | Path | None = None) -> list[t
     """(origin, request) of one part of the set, "train" or "test", in a fixed order; the origin is
     "open-ended:<kind>:<index in the whole set>". "extra": more requests for training only, on topics and texts
     the set does not use (so the test part stays apart), shuffled so that a prefix mixes the kinds; origin
-    "open-ended-extra:<kind>:<index>". "extra-2", "extra-3": more such sets (`--input open-ended-extra-2`, ...), on
-    topics and texts no earlier set uses; origin "open-ended-extra-2:<kind>:<index>", ..."""
+    "open-ended-extra:<kind>:<index>". "extra-2", "extra-3", "extra-4": more such sets (`--input open-ended-extra-2`,
+    ...), on topics and texts no earlier set uses, or (extra-4) templates no earlier set uses; origin
+    "open-ended-extra-2:<kind>:<index>", ..."""
     if split in EXTRA_SETS:
         requests = _extra_requests(split, data_dir)
         return [(f"open-ended-{split}:{requests[i][0]}:{i}", requests[i][1]) for i in _fixed_order(len(requests))]
