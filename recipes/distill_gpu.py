@@ -11,8 +11,9 @@ script's packing step reads them unchanged. The answers are the base's fp32 gree
 
 With `--seconds`, batches stop starting once that much time has passed: the records written are the prompts
 decoded so far (shortest prompts first), and a later run with the same arguments continues with the others.
-`--exclude` leaves out the prompts of packed sets already made (the rest of the mix after v3's set:
-`--input distill-mix --skip 3100 --exclude recipes/data/refusion-smol-v3-distill.jsonl.gz`).
+`--exclude` leaves out the prompts of packed sets already made; `--skip-shortest M` the M shortest, those an
+earlier `--shortest M` run answered (the next 5120 of the mix after v3's set, recipes/refusion-smol-v3.sh:
+`--input distill-mix --skip 3100 --skip-shortest 8192 --shortest 13312`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=None, help="only prompts up to N")
     p.add_argument("--shortest", type=int, default=None,
                    help="only the N shortest prompts (by tokens; ties in --input's order)")
+    p.add_argument("--skip-shortest", type=int, default=0, metavar="M",
+                   help="leave out the M shortest prompts (those an earlier run with --shortest M answered)")
     p.add_argument("--exclude", nargs="+", default=[], metavar="PACKED",
                    help="leave out the prompts answered in these packed sets (recipes/data/*.jsonl.gz)")
     p.add_argument("--batch-size", type=int, default=1024)
@@ -80,6 +83,7 @@ def main(argv=None) -> int:
     order = sorted(range(len(prompts)), key=lambda i: len(ids[i]))  # shortest first, ties in --input's order
     if args.shortest is not None:  # the N shortest of all the prompts, those already answered included
         order = order[: args.shortest]
+    order = order[args.skip_shortest:]
     order = [i for i in order if prompts[i] not in done]
     tokens_out = 0
     for start in range(0, len(order), args.batch_size):

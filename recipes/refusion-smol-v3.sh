@@ -14,8 +14,8 @@
 # 2. training, two runs (the shipped adapter's: 375 + 290 steps of 16 samples, bf16 on one H200, ~7 min in all;
 #    ~1 h per 100 steps on 2 CPU cores)
 # 3. packaging: the adapter in bf16, each update cut to rank 16 (truncated SVD: a cheaper forward with masks, the same
-#    drafts; docs/BENCHMARKS.md, Current results: *Rank of the shipped adapter*), where `refusion.load()` finds it
-#    (the draft table stays v2's).
+#    drafts; docs/BENCHMARKS.md, Current results: *Rank of the shipped adapter*), where `refusion.load()` finds it.
+# 4. the draft table counted on every distilled set (recipes/refusion-smol-table.sh).
 set -euo pipefail
 OUT=${1:-runs/refusion-smol-v3}
 V2=${V2:-runs/refusion-smol-v2/continue/adapter}
@@ -39,4 +39,7 @@ train() {  # train STAGE_DIR ARGS...: resumes an interrupted run, skips a finish
 train "$OUT/train" --config refusion-smol-v3 --lora-init "$V2"
 train "$OUT/continue" --config refusion-smol-v3 --lora-init "$OUT/train/adapter" --max-steps 290 --warmup-steps 10
 
-refusion export-adapter "$OUT/continue/adapter" src/refusion/assets/refusion-smol/adapter --overwrite --rank 16
+ADAPTER=src/refusion/assets/refusion-smol/adapter
+refusion export-adapter "$OUT/continue/adapter" "$ADAPTER" --overwrite --rank 16
+
+bash recipes/refusion-smol-table.sh "$OUT"

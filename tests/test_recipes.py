@@ -58,6 +58,10 @@ def test_shortest_and_seconds_choose_which_prompts_are_answered(tiny_model_dir, 
     assert distill.main([*common[:4], "--output", str(rest), *common[6:], "--exclude", str(packed)]) == 0
     assert [json.loads(line)["origin"] for line in rest.read_text().splitlines()] == ["set:1", "set:3", "set:4",
                                                                                       "set:6"]
+    after = tmp_path / "after.jsonl"  # the next shortest after those an earlier --shortest 2 answered
+    assert distill.main([*common[:4], "--output", str(after), *common[6:], "--skip-shortest", "2", "--shortest",
+                         "4"]) == 0
+    assert [json.loads(line)["origin"] for line in after.read_text().splitlines()] == ["set:2", "set:5"]
 
 
 def test_packing_keeps_the_answers_that_ended(tmp_path, capsys):

@@ -27,6 +27,30 @@ def test_the_table_keeps_each_frequent_run_s_most_frequent_follower():
         DraftTable.from_sequences([], orders=(3, 0))
 
 
+def test_runs_that_say_what_their_shorter_run_says_are_left_out_and_the_drafts_stay_the_same():
+    import collections
+    import random
+
+    rng = random.Random(0)
+    sequences = [[rng.choice([1, 2, 3, 4, 5, 6]) for _ in range(rng.randint(5, 40))] for _ in range(60)]
+    sequences += [[7, 8, 9, 10, 11, 12]] * 3  # long runs always followed by the same token
+    orders = (5, 4, 3, 2, 1)
+    counts = collections.defaultdict(collections.Counter)  # every frequent run, counted here
+    for ids in sequences:
+        for order in orders:
+            for i in range(len(ids) - order):
+                counts[tuple(ids[i: i + order])][ids[i + order]] += 1
+    full = {run: (after.most_common(1)[0][0], after.most_common(1)[0][1] / sum(after.values()))
+            for run, after in counts.items() if sum(after.values()) >= 2}
+    table = DraftTable.from_sequences(sequences, orders, min_count=2, min_confidence=0.05)
+    assert table.followers.items() <= full.items() and len(table.followers) < len(full)
+    assert (7, 8, 9, 10) not in table.followers and (10,) in table.followers  # (9, 10) etc. say (11, 1.0) too
+    reference = DraftTable(orders, 0.05, full)
+    texts = [ids[:end] for ids in sequences for end in range(1, len(ids) + 1)]
+    assert all(table.drafts(text, 8) == reference.drafts(text, 8) for text in texts)
+    assert sum(bool(table.drafts(text, 8)) for text in texts) > len(texts) // 2  # drafts were compared
+
+
 def test_drafts_walk_the_table_while_confident():
     table = DraftTable((2,), 0.3, {(1, 2): (3, 0.9), (2, 3): (4, 0.5), (3, 4): (5, 0.5), (4, 5): (6, 1.0)})
     assert table.drafts([9, 1, 2], 8) == [3, 4]  # 0.9 * 0.5 = 0.45 >= 0.3; * 0.5 = 0.225 < 0.3: stop
@@ -44,8 +68,12 @@ def test_each_step_reads_the_longest_run_the_table_knows():
     assert table.drafts([3], 1) == [7]  # a text shorter than the longest order
 
 
-def test_a_table_saves_loads_and_a_damaged_file_is_a_one_line_error(tmp_path):
-    table = DraftTable.from_sequences([[1, 2, 3, 4, 1, 2, 3, 4], [5, 1, 2, 3, 6]], orders=(3, 2), min_count=2,
+@pytest.mark.parametrize("largest_id", [65535, 65536, 151935])  # 16-bit ids up to 65535, 32-bit above
+def test_a_table_saves_loads_and_a_damaged_file_is_a_one_line_error(tmp_path, largest_id):
+    from safetensors import safe_open
+
+    a, b = largest_id, largest_id - 1
+    table = DraftTable.from_sequences([[1, a, 3, 4, 1, a, 3, 4], [b, 1, a, 3, 6]], orders=(3, 2), min_count=2,
                                       min_confidence=0.25)
     table.save(tmp_path / TABLE_FILE)
     loaded = DraftTable.load(tmp_path / TABLE_FILE)
@@ -53,6 +81,8 @@ def test_a_table_saves_loads_and_a_damaged_file_is_a_one_line_error(tmp_path):
     assert loaded.followers.keys() == table.followers.keys() and table.followers
     for run, (token, frequency) in table.followers.items():  # frequencies are stored in fp32
         assert loaded.followers[run] == (token, pytest.approx(frequency, rel=1e-6))
+    with safe_open(str(tmp_path / TABLE_FILE), "pt") as f:
+        assert f.get_tensor("runs_3").dtype == (torch.uint16 if largest_id <= 65535 else torch.int32)
     (tmp_path / TABLE_FILE).write_bytes(b"not a table")
     with pytest.raises(ValueError, match="is not a draft table"):
         DraftTable.load(tmp_path / TABLE_FILE)

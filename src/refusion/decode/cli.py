@@ -27,7 +27,8 @@ def add_parser(subparsers) -> None:
                    help='prompts from a JSONL file of {"prompt": ...} (or "query") records, or the questions of a '
                         f"built-in train/validation set ({', '.join(BUILTIN_DATASETS)}) in `refusion eval`'s prompt "
                         "format; distill-mix interleaves all the others; open-ended (open-ended-test: its held-out "
-                        "part; open-ended-extra, -extra-2, -extra-3: 920, 1,841 and 1,375 more, for training only) "
+                        "part; open-ended-extra, -extra-2, -extra-3, -extra-4: 920, 1,841, 1,375 and 9,864 more, for "
+                        "training only) "
                         "composed requests with little to copy (refusion/open_ended.py)")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="with --input: only the first N prompts")
     p.add_argument("--skip", type=int, default=0, metavar="M",

@@ -4,7 +4,8 @@ A small model's answers repeat themselves across prompts ("The final answer is",
 break it down"), and prompt lookup cannot see what is not in the prompt or the response yet. The table is
 n-gram statistics of the model's own greedy answers (the distilled set it was trained on): for each run of
 n tokens (n in `orders`, 4, 3, 2 and 1 by default) seen at least `min_count` times, the token that most often
-followed it and how often it did. Drafting walks the table greedily, each step from the longest run of the
+followed it and how often it did (left out where the run one token shorter that ends it says the same: the
+lookup falls back to it, so the drafts are unchanged and the table is a third to a half smaller). Drafting walks the table greedily, each step from the longest run of the
 text's last tokens that the table knows (a run of 4 says more than a run of 2 when there is one, and a single
 token is the last resort): the token after them, then the token after the new last tokens, and so on, while the
 product of the followers' frequencies stays at or above `min_confidence`. Longer runs, and single tokens as the last
@@ -29,6 +30,8 @@ from pathlib import Path
 TABLE_FILE = "draft_table.safetensors"
 DEFAULT_ORDERS = (4, 3, 2, 1)
 """Lengths of the token runs a table keys on unless told otherwise."""
+TOKEN_ID_U16_MAX = 65535
+"""A table whose token ids all fit in 16 bits stores them so (half the file of 32-bit ids)."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,7 @@ class DraftTable:
             if total >= min_count:
                 token, n = after.most_common(1)[0]
                 followers[run] = (token, n / total)
-        return DraftTable(orders, min_confidence, followers)
+        return DraftTable(orders, min_confidence, without_redundant_runs(followers, orders))
 
     def follower(self, text: list[int]) -> tuple[int, float] | None:
         """(token, frequency) after the longest run of the text's last tokens in the table; None when none is."""
@@ -91,10 +94,13 @@ class DraftTable:
         from safetensors.torch import save_file
 
         tensors = {}
+        largest = max((max(*run, token) for run, (token, _) in self.followers.items()), default=0)
+        ids = torch.uint16 if largest <= TOKEN_ID_U16_MAX else torch.int32  # a small vocabulary's ids in 2 bytes
         for order in self.orders:
             runs = [run for run in self.followers if len(run) == order]
-            tensors[f"runs_{order}"] = torch.tensor(runs, dtype=torch.int32).reshape(-1, order)
-            tensors[f"followers_{order}"] = torch.tensor([self.followers[r][0] for r in runs], dtype=torch.int32)
+            tensors[f"runs_{order}"] = torch.tensor(runs, dtype=torch.int32).reshape(-1, order).to(ids)
+            tensors[f"followers_{order}"] = torch.tensor([self.followers[r][0] for r in runs],
+                                                         dtype=torch.int32).to(ids)
             tensors[f"frequencies_{order}"] = torch.tensor([self.followers[r][1] for r in runs], dtype=torch.float32)
         save_file(tensors, str(path), metadata={"orders": ",".join(map(str, self.orders)),
                                                 "min_confidence": str(self.min_confidence)})
@@ -122,6 +128,16 @@ class DraftTable:
                 raise ValueError(f"{path} is not a draft table (its tensors do not line up)")
             table.update(zip(map(tuple, runs.tolist()), zip(followers.tolist(), frequencies.tolist())))
         return DraftTable(orders, min_confidence, table)
+
+
+def without_redundant_runs(followers: dict[tuple[int, ...], tuple[int, float]],
+                           orders: tuple[int, ...]) -> dict[tuple[int, ...], tuple[int, float]]:
+    """`followers` less each run whose (follower, frequency) equals that of the run one token shorter that ends
+    it, when that length is also one of `orders`: a lookup that misses the run finds the shorter one next, with the
+    same follower and frequency, so the drafts are the same (and the shorter run is always there: it was seen at
+    least as often). Most long runs are such, e.g. those always followed by the same token."""
+    return {run: found for run, found in followers.items()
+            if not (len(run) - 1 in orders and followers.get(run[1:]) == found)}
 
 
 def answers_with_openings(prompts, responses, orders: Iterable[int] = DEFAULT_ORDERS) -> list[list[int]]:
