@@ -12,7 +12,7 @@ script's packing step reads them unchanged. The answers are the base's fp32 gree
 With `--seconds`, batches stop starting once that much time has passed: the records written are the prompts
 decoded so far (shortest prompts first), and a later run with the same arguments continues with the others.
 `--exclude` leaves out the prompts of packed sets already made; `--skip-shortest M` the M shortest, those an
-earlier `--shortest M` run answered (the next 5120 of the mix after v3's set, recipes/refusion-smol-v3.sh:
+earlier `--shortest M` run answered (the next 5120 of the mix after v3's set, recipes/refusion-smol-table.sh:
 `--input distill-mix --skip 3100 --skip-shortest 8192 --shortest 13312`).
 """
 

@@ -39,7 +39,6 @@ train() {  # train STAGE_DIR ARGS...: resumes an interrupted run, skips a finish
 train "$OUT/train" --config refusion-smol-v3 --lora-init "$V2"
 train "$OUT/continue" --config refusion-smol-v3 --lora-init "$OUT/train/adapter" --max-steps 290 --warmup-steps 10
 
-ADAPTER=src/refusion/assets/refusion-smol/adapter
-refusion export-adapter "$OUT/continue/adapter" "$ADAPTER" --overwrite --rank 16
+refusion export-adapter "$OUT/continue/adapter" src/refusion/assets/refusion-smol/adapter --overwrite --rank 16
 
 bash recipes/refusion-smol-table.sh "$OUT"

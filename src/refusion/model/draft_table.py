@@ -1,16 +1,16 @@
 """A model's draft table: what its own answers usually write after a few tokens, as drafts for the exact mode.
 
-A small model's answers repeat themselves across prompts ("The final answer is", "```python\\ndef", "Let's
-break it down"), and prompt lookup cannot see what is not in the prompt or the response yet. The table is
-n-gram statistics of the model's own greedy answers (the distilled set it was trained on): for each run of
-n tokens (n in `orders`, 4, 3, 2 and 1 by default) seen at least `min_count` times, the token that most often
-followed it and how often it did (left out where the run one token shorter that ends it says the same: the
-lookup falls back to it, so the drafts are unchanged and the table is a third to a half smaller). Drafting walks the table greedily, each step from the longest run of the
-text's last tokens that the table knows (a run of 4 says more than a run of 2 when there is one, and a single
-token is the last resort): the token after them, then the token after the new last tokens, and so on, while the
-product of the followers' frequencies stays at or above `min_confidence`. Longer runs, and single tokens as the last
-resort, each drafted more per forward than without them on refusion-smol's GSM8K tuning prompts (docs/BENCHMARKS.md,
-Current results: *Draft table*; the prompts are named in its "Prompts" section).
+A small model's answers repeat themselves across prompts ("The final answer is", "```python\\ndef", "Let's break it
+down"), and prompt lookup cannot see what is not in the prompt or the response yet. The table is n-gram statistics
+of the model's own greedy answers (the distilled set it was trained on): for each run of n tokens (n in `orders`,
+4, 3, 2 and 1 by default) seen at least `min_count` times, the token that most often followed it and how often it
+did (left out where the run one token shorter that ends it says the same: the lookup falls back to it, so the
+drafts are unchanged and the table is a third to a half smaller). Drafting walks the table greedily, each step from
+the longest run of the text's last tokens that the table knows (a run of 4 says more than a run of 2 when there is
+one, and a single token is the last resort): the token after them, then the token after the new last tokens, and so
+on, while the product of the followers' frequencies stays at or above `min_confidence`. Longer runs, and single
+tokens as the last resort, each drafted more per forward than without them on refusion-smol's GSM8K tuning prompts
+(docs/BENCHMARKS.md, Current results: *Draft table*; the prompts are named in its "Prompts" section).
 
 Drafts from the table are verified like copied ones (`speculate.copied_drafts`): AR decoding still decides
 every token, so the table never changes the output, only how many tokens a forward commits.
