@@ -25,7 +25,6 @@ rows make the forward compute-bound.
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -37,8 +36,10 @@ PROBE_WIDTHS = (1, 4, 8, 16, 32, 64)
 still dominate, priced wider forwards too low, so that batched fused planning was chosen where it lost (docs/
 BENCHMARKS.md, Current results: *Engine vs the authors' reference script*); it costs the embedded model ~0.24 s
 more per load."""
-PROBE_REPEATS = 2
-"""Timed forwards per width, after one untimed round (the median counts)."""
+PROBE_REPEATS = 3
+"""Timed forwards per width, after one untimed round; the fastest counts: a forward slowed by another process or
+the OS says nothing about the kernels, and with the median of two, one such forward (16 rows timed at 52.6 ms
+instead of ~36) cut the embedded preset's drafts so that it made 10 % more forwards on the same prompts."""
 MAX_PROBE_SECONDS = 0.25
 """A model whose one-token forward takes longer than this is not probed (its forwards are bound by reading the
 weights, so width is nearly free: no cut)."""
@@ -51,7 +52,7 @@ class ForwardCosts:
     widths: tuple[int, ...]
     """The widths timed, increasing, starting at 1."""
     seconds: tuple[float, ...]
-    """Median seconds of a forward of each of those widths."""
+    """Seconds of a forward of each of those widths (the fastest of the probe's repeats)."""
 
     def of(self, width: int) -> float:
         """Seconds of a forward of `width` tokens (interpolated between the measured widths)."""
@@ -70,7 +71,8 @@ class ForwardCosts:
 def measure(model, widths: tuple[int, ...] = PROBE_WIDTHS, repeats: int = PROBE_REPEATS) -> ForwardCosts | None:
     """Time batch-1 forwards of `widths` tokens (no cache) on the model as loaded; None when one forward takes
     longer than MAX_PROBE_SECONDS. After an untimed round (kernels pick their code for each shape on first use),
-    widths are timed in turn, `repeats` rounds, so that a drift of the machine touches them all alike."""
+    widths are timed in turn, `repeats` rounds, so that a drift of the machine touches them all alike; each width's
+    fastest forward counts."""
     device = next(model.parameters()).device
     vocab = model.get_input_embeddings().num_embeddings
     def forward(width: int) -> float:  # logits of every row, as a decoding forward of drafts has
@@ -89,7 +91,7 @@ def measure(model, widths: tuple[int, ...] = PROBE_WIDTHS, repeats: int = PROBE_
     for _ in range(repeats):
         for w in widths:
             times[w].append(forward(w))
-    seconds = [statistics.median(times[w]) for w in widths]
+    seconds = [min(times[w]) for w in widths]
     for i in range(1, len(seconds)):  # a wider forward never costs less (noise aside)
         seconds[i] = max(seconds[i], seconds[i - 1])
     return ForwardCosts(tuple(widths), tuple(seconds))
