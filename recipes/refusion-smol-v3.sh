@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Reproduces refusion-smol v3's adapter (src/refusion/assets/refusion-smol/adapter): v2's adapter (made by
+# Reproduces refusion-smol v3's adapter (into src/refusion/assets/refusion-smol/adapter, where v4's recipe,
+# recipes/refusion-smol-v4.sh, trains it further into the shipped one): v2's adapter (made by
 # recipes/refusion-smol-v2.sh) trained further on the base's answers to more of the distill mix, for both uses of
 # its masks: plan and infill's slots and the exact mode's draft chains (src/refusion/recipes/refusion-smol-v3.yaml;
 # docs/MODEL_CARD.md). Run from the repository root inside the README's venv; each stage resumes or is skipped
