@@ -11,7 +11,7 @@ AR decoding's. The prompts are `linear_kernels.prompt_groups`: none of the tunin
 "Prompts"). Ends with one JSON line.
 
     python benchmarks/drafters.py [--compare runs/v2] [--per-group 6] [--max-new-tokens 128] [--draft-length 3]
-                                  [--modes masks_d3,plan_and_infill]
+                                  [--modes masks_d3,plan_and_infill] [--slot-thresholds 0.3]
 """
 
 from __future__ import annotations
@@ -30,12 +30,15 @@ from refusion.model.embedded import default_decode_settings
 from refusion.model.loading import encode_prompts, load
 
 
-def modes(preset: DecodeConfig, d: int) -> dict[str, DecodeConfig]:
-    """Per adapter: the modes whose drafts come from its masks."""
+def modes(preset: DecodeConfig, d: int, slot_thresholds: tuple[float, ...] = ()) -> dict[str, DecodeConfig]:
+    """Per adapter: the modes whose drafts come from its masks (plan and infill also with each of
+    `slot_thresholds` in place of the preset's)."""
     masks = preset.replace(strategy="speculative", draft_length=d, lookup_length=0, table_length=0, predraft=False)
+    plan_and_infill = preset.replace(strategy="refusion")
     return {f"masks_d{d}": masks, f"masks_d{d}_predraft": masks.replace(predraft=True),
             f"copies_masks_d{d}": preset.replace(strategy="speculative", draft_length=d),
-            "plan_and_infill": preset.replace(strategy="refusion")}
+            "plan_and_infill": plan_and_infill,
+            **{f"plan_and_infill_s{t:g}": plan_and_infill.replace(slot_threshold=t) for t in slot_thresholds}}
 
 
 def main() -> None:
@@ -46,7 +49,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--draft-length", type=int, default=3)
     parser.add_argument("--modes", default=None, help="comma-separated subset of the per-adapter modes (masks_dD, "
-                        "masks_dD_predraft, copies_masks_dD, plan_and_infill; default: all)")
+                        "masks_dD_predraft, copies_masks_dD, plan_and_infill, plan_and_infill_sT; default: all)")
+    parser.add_argument("--slot-thresholds", default="", help="comma-separated slot thresholds: plan and infill "
+                        "also with each (modes plan_and_infill_sT)")
     args = parser.parse_args()
 
     models = {"embedded": load()}
@@ -56,7 +61,7 @@ def main() -> None:
     base_model = models["embedded"][0]  # AR and the preset use no mask: the base's, whatever the adapter
     engines = [("-", "autoregressive", preset.replace(strategy="autoregressive"), base_model),
                ("-", "exact", preset, base_model)]
-    chosen = modes(preset, args.draft_length)
+    chosen = modes(preset, args.draft_length, tuple(float(t) for t in args.slot_thresholds.split(",") if t))
     if args.modes:
         unknown = set(args.modes.split(",")) - set(chosen)
         if unknown:
