@@ -38,8 +38,8 @@ BENCHMARKS.md, Current results: *Engine vs the authors' reference script*); it c
 more per load."""
 PROBE_REPEATS = 3
 """Timed forwards per width, after one untimed round; the fastest counts: a forward slowed by another process or
-the OS says nothing about the kernels, and with the median of two, one such forward (16 rows timed at 52.6 ms
-instead of ~36) cut the embedded preset's drafts so that it made 10 % more forwards on the same prompts."""
+the OS says nothing about the kernels, and one such forward in a median of two priced drafts too high for the whole
+process (docs/BENCHMARKS.md, Current results: *Cost-aware drafts*)."""
 MAX_PROBE_SECONDS = 0.25
 """A model whose one-token forward takes longer than this is not probed (its forwards are bound by reading the
 weights, so width is nearly free: no cut)."""
