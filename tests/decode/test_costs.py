@@ -54,6 +54,34 @@ def test_measured_costs_are_one_per_probed_width_and_never_fall_with_width():
     assert prepare(tiny_model("llama")).forward_costs is not None  # prepare measures them
 
 
+class _Clocked(torch.nn.Module):
+    """A model whose forward takes a fixed time per row, except the forwards of `slow_width` whose index (counted
+    per width) is in `slow_calls`, which another process slowed."""
+
+    def __init__(self, slow_width: int, slow_calls: set[int]):
+        super().__init__()
+        self.embed = torch.nn.Embedding(8, 2)
+        self.slow_width, self.slow_calls, self.calls = slow_width, slow_calls, {}
+        self.now = 0.0
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def forward(self, input_ids, position_ids, use_cache):
+        width = input_ids.shape[1]
+        index = self.calls[width] = self.calls.get(width, -1) + 1
+        self.now += 0.010 + 0.001 * width + (0.050 if width == self.slow_width and index in self.slow_calls else 0)
+
+
+def test_a_forward_the_machine_slowed_does_not_price_the_width(monkeypatch):
+    """The probe keeps each width's fastest forward: one slowed forward (another process, the OS) among the timed
+    ones leaves the costs as the kernels make them (with a median of two it doubled the price of 16 rows)."""
+    model = _Clocked(slow_width=16, slow_calls={2})  # call 0 is the untimed round, calls 1-3 are timed
+    monkeypatch.setattr("refusion.decode.costs.time.perf_counter", lambda: model.now)
+    costs = measure(model, widths=(1, 4, 16))
+    assert costs.seconds == pytest.approx((0.011, 0.014, 0.026))
+
+
 def test_the_cost_aware_count_changes_the_drafts_never_the_output():
     """Flat costs verify every copied draft (as without costs), per-row costs verify none; both decode AR's
     tokens."""
