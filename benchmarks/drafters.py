@@ -6,8 +6,9 @@ AR decoding and the embedded preset's exact mode (drafts copied from the text an
 since a mask-gated adapter leaves both the base's; then, per adapter, the exact mode drafting from masks alone
 (`draft_length` d, no copies), the same with pre-drafts (a chain of masks per possible acceptance length), copies
 and masks (masks where nothing can be copied), and plan and infill (the preset's settings). Reported per prompt group
-and mode: tokens, tokens per forward and per verify forward, tokens/s, the ratio to AR, and how many outputs equal
-AR decoding's. The prompts are `linear_kernels.prompt_groups`: none of the tuning prompts (docs/BENCHMARKS.md,
+and mode: tokens, tokens per forward and per verify forward, tokens/s, the ratio to AR, how many outputs equal
+AR decoding's, and how repetitive the answers are (plan and infill's are its own: the mean share of distinct 4-grams
+per answer, the answers under half distinct ("looping"), and those with one token 8 or more times in a row). The prompts are `linear_kernels.prompt_groups`: none of the tuning prompts (docs/BENCHMARKS.md,
 "Prompts"). Ends with one JSON line.
 
     python benchmarks/drafters.py [--compare runs/v2] [--per-group 6] [--max-new-tokens 128] [--draft-length 3]
@@ -39,6 +40,21 @@ def modes(preset: DecodeConfig, d: int, slot_thresholds: tuple[float, ...] = ())
             f"copies_masks_d{d}": preset.replace(strategy="speculative", draft_length=d),
             "plan_and_infill": plan_and_infill,
             **{f"plan_and_infill_s{t:g}": plan_and_infill.replace(slot_threshold=t) for t in slot_thresholds}}
+
+
+def distinct_4grams(ids: list[int]) -> float:
+    """The share of an answer's 4-grams that are distinct: near 1 for varied text, low for an answer that loops."""
+    grams = [tuple(ids[i:i + 4]) for i in range(len(ids) - 3)]
+    return len(set(grams)) / len(grams) if grams else 1.0
+
+
+def longest_run(ids: list[int]) -> int:
+    """The longest run of one token repeated back to back."""
+    best = run = 0
+    for i, token in enumerate(ids):
+        run = run + 1 if i and token == ids[i - 1] else 1
+        best = max(best, run)
+    return best
 
 
 def main() -> None:
@@ -75,8 +91,8 @@ def main() -> None:
 
     results = {}
     for group, texts in groups.items():
-        totals = {(label, name): dict(tokens=0, forwards=0, verify=0, seconds=0.0, identical_to_ar=0)
-                  for label, name, _, _ in engines}
+        totals = {(label, name): dict(tokens=0, forwards=0, verify=0, seconds=0.0, identical_to_ar=0, distinct_4grams=0.0,
+                                      looping=0, runs_of_8=0) for label, name, _, _ in engines}
         for i, prompt in enumerate(encode_prompts(tokenizer, texts)):
             ar = None
             for label, name, cfg, model in engines:
@@ -88,6 +104,10 @@ def main() -> None:
                 t["verify"] += s.phase_forwards.get("verify", 0)
                 t["seconds"] += s.seconds
                 t["identical_to_ar"] += out.sequences[0] == ar
+                repetition = distinct_4grams(list(out.sequences[0]))  # plan and infill's answers are its own
+                t["distinct_4grams"] += repetition / len(texts)
+                t["looping"] += repetition < 0.5
+                t["runs_of_8"] += longest_run(list(out.sequences[0])) >= 8
             print(f"{group} {i + 1}/{len(texts)}", flush=True)
         base = totals["-", "autoregressive"]
         for (label, name), t in totals.items():
@@ -99,7 +119,8 @@ def main() -> None:
             per_verify = f"{t['tokens_per_verify']:5.2f}" if t["tokens_per_verify"] else "    -"
             print(f"{group:11s} {label:10.10s} {name:22s} TPF {t['tokens_per_forward']:5.2f}  per verify {per_verify}"
                   f"  {t['tokens_per_second']:6.1f} tok/s  x{t['speed_vs_ar']:.2f} AR  "
-                  f"identical {t['identical_to_ar']}/{len(texts)}", flush=True)
+                  f"identical {t['identical_to_ar']}/{len(texts)}  distinct 4-grams {t['distinct_4grams']:.2f}  "
+                  f"looping {t['looping']}", flush=True)
     print(json.dumps({"benchmark": "drafters", "compare": args.compare, "per_group": args.per_group,
                       "max_new_tokens": args.max_new_tokens, "draft_length": args.draft_length,
                       "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
