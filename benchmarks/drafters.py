@@ -8,8 +8,9 @@ since a mask-gated adapter leaves both the base's; then, per adapter, the exact 
 and masks (masks where nothing can be copied), and plan and infill (the preset's settings). Reported per prompt group
 and mode: tokens, tokens per forward and per verify forward, tokens/s, the ratio to AR, how many outputs equal
 AR decoding's, and how repetitive the answers are (plan and infill's are its own: the mean share of distinct 4-grams
-per answer, the answers under half distinct ("looping"), and those with one token 8 or more times in a row). The prompts are `linear_kernels.prompt_groups`: none of the tuning prompts (docs/BENCHMARKS.md,
-"Prompts"). Ends with one JSON line.
+per answer, the answers under half distinct ("looping"), and those with one token 8 or more times in a row). The
+prompts are `linear_kernels.prompt_groups`: none of the tuning prompts (docs/BENCHMARKS.md, "Prompts"). Ends with
+one JSON line.
 
     python benchmarks/drafters.py [--compare runs/v2] [--per-group 6] [--max-new-tokens 128] [--draft-length 3]
                                   [--modes masks_d3,plan_and_infill] [--slot-thresholds 0.3]
@@ -91,8 +92,8 @@ def main() -> None:
 
     results = {}
     for group, texts in groups.items():
-        totals = {(label, name): dict(tokens=0, forwards=0, verify=0, seconds=0.0, identical_to_ar=0, distinct_4grams=0.0,
-                                      looping=0, runs_of_8=0) for label, name, _, _ in engines}
+        totals = {(label, name): dict(tokens=0, forwards=0, verify=0, seconds=0.0, identical_to_ar=0,
+                                      distinct_4grams=0.0, looping=0, runs_of_8=0) for label, name, _, _ in engines}
         for i, prompt in enumerate(encode_prompts(tokenizer, texts)):
             ar = None
             for label, name, cfg, model in engines:
@@ -104,10 +105,11 @@ def main() -> None:
                 t["verify"] += s.phase_forwards.get("verify", 0)
                 t["seconds"] += s.seconds
                 t["identical_to_ar"] += out.sequences[0] == ar
-                repetition = distinct_4grams(list(out.sequences[0]))  # plan and infill's answers are its own
+                answer = list(out.sequences[0])
+                repetition = distinct_4grams(answer)
                 t["distinct_4grams"] += repetition / len(texts)
                 t["looping"] += repetition < 0.5
-                t["runs_of_8"] += longest_run(list(out.sequences[0])) >= 8
+                t["runs_of_8"] += longest_run(answer) >= 8
             print(f"{group} {i + 1}/{len(texts)}", flush=True)
         base = totals["-", "autoregressive"]
         for (label, name), t in totals.items():
