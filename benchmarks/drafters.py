@@ -70,6 +70,10 @@ def main() -> None:
     parser.add_argument("--slot-thresholds", default="", help="comma-separated slot thresholds: plan and infill "
                         "also with each (modes plan_and_infill_sT)")
     args = parser.parse_args()
+    try:
+        slot_thresholds = tuple(float(t) for t in args.slot_thresholds.split(",") if t)
+    except ValueError:
+        parser.error(f"--slot-thresholds: {args.slot_thresholds!r} is not a comma-separated list of numbers")
 
     models = {"embedded": load()}
     if args.compare:
@@ -78,7 +82,7 @@ def main() -> None:
     base_model = models["embedded"][0]  # AR and the preset use no mask: the base's, whatever the adapter
     engines = [("-", "autoregressive", preset.replace(strategy="autoregressive"), base_model),
                ("-", "exact", preset, base_model)]
-    chosen = modes(preset, args.draft_length, tuple(float(t) for t in args.slot_thresholds.split(",") if t))
+    chosen = modes(preset, args.draft_length, slot_thresholds)
     if args.modes:
         unknown = set(args.modes.split(",")) - set(chosen)
         if unknown:
