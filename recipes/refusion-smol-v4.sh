@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Reproduces refusion-smol v4's adapter (src/refusion/assets/refusion-smol/adapter): v3's adapter, cut to rank 16 as
+# Reproduces refusion-smol v4's adapter (packaged into src/refusion/assets/refusion-smol/adapter; the shipped one is
+# v5's, which recipes/refusion-smol-v5.sh trains from this script's output): v3's adapter, cut to rank 16 as
 # v3 shipped, trained further at rank 16 on every distilled set of recipes/data, the 9,292 open-ended answers included
 # (src/refusion/recipes/refusion-smol-v4.yaml; docs/MODEL_CARD.md). Run from the repository root inside the README's
 # venv, after v3's recipe (its training output) or with V3=DIR naming a rank-16 v3 adapter; each stage resumes or

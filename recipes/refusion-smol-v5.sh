@@ -7,7 +7,7 @@
 #   bash recipes/refusion-smol-v5.sh [OUTPUT_DIR]   (default runs/refusion-smol-v5)
 #   V4=DIR: v4's adapter to start from (default: runs/refusion-smol-v4/train/adapter, v4's recipe's training output;
 #   v4's shipped adapter itself: `git archive 4f268f6 src/refusion/assets/refusion-smol/adapter`)
-# 1. training: 1200 steps of 16 samples, bf16 (the shipped run: one H100, ~8.5 min with the model's first load;
+# 1. training: 1200 steps of 16 samples, bf16 (the shipped run: one H100, ~9.5 min with the model's first load;
 #    ~12 h on 2 CPU cores)
 # 2. packaging: the adapter in bf16, where `refusion.load()` finds it (the draft table beside it is left as it is:
 #    recipes/refusion-smol-table.sh makes it).
