@@ -5,7 +5,14 @@ import pytest
 import torch
 
 import refusion
-from refusion.decode.costs import AcceptanceByDepth, ForwardCosts, best_draft_count, measure
+from refusion.decode.costs import (
+    AcceptanceByDepth,
+    ForwardCosts,
+    SuccessRate,
+    best_draft_count,
+    fusing_pays,
+    measure,
+)
 from refusion.model.setup import plain_setup, prepare
 from refusion.model.tiny import tiny_model
 
@@ -126,3 +133,17 @@ def test_fused_planning_rides_only_where_its_width_pays():
     assert forwards["flat"] < sum(s.forwards for s in unfused.stats.per_sequence)
     assert forwards["per_row"] == sum(s.forwards for s in unfused.stats.per_sequence)
     assert not any(r.fused_plan for rounds in runs["per_row"].traces for r in rounds)
+
+
+def test_in_a_batch_an_unfused_plan_is_priced_as_padding_in_a_shared_step():
+    """A CPU-like curve (rows nearly free up to 16, then paid for): one sequence fuses a 16-mask plan onto an
+    8-token forward; four sequences doing the same would fuse under a whole-forward saving (0.73 of extra cost
+    against 0.75 x 1.6), but their unfused plans mostly pad steps the others take anyway, so it does not pay;
+    where width is free it pays at any batch."""
+    costs = ForwardCosts((1, 16, 64, 256), (1.0, 1.1, 1.6, 4.0))
+    used = SuccessRate(tries=2, successes=2)  # 3/4
+    assert fusing_pays(costs, width=8, plan_width=16, used=used, batch=1)
+    assert costs.of(96) - costs.of(32) < used.value * costs.of(64)  # what the whole-forward saving would say
+    assert not fusing_pays(costs, width=8, plan_width=16, used=used, batch=4)
+    assert fusing_pays(FLAT, width=8, plan_width=16, used=used, batch=4)
+    assert fusing_pays(None, width=8, plan_width=16, used=used, batch=4)  # unmeasured: always

@@ -17,10 +17,14 @@ never changes what is committed (the exact mode commits AR decoding's tokens wha
 
 Fused planning trades the same way: the next round's plan rides on a forward that may end this round, which
 saves the plan's own forward only when the round commits everything it selected. `fusing_pays` appends it when
-the extra width costs less than the plan forward times the chance (`SuccessRate`) that it is used. In a batch,
-every sequence's rows share the forward, so the widths are counted over the batch (B sequences of w tokens: a
-forward of B·w rows): fusing that is free for one sequence on a memory-bound CPU stops paying once the batch's
-rows make the forward compute-bound.
+the extra width costs less than what the plan would cost on its own times the chance (`SuccessRate`) that it is
+used. In a batch, every sequence's rows share the forward, so the widths are counted over the batch (B sequences
+of w tokens: a forward of B·w rows, each request padded to the widest), and a plan that is not fused rarely costs
+a forward of its own: it usually shares a step that the other sequences take anyway, padding their requests to the
+plan's width. So the saving is priced as a whole plan forward with chance 1/B (the batch planning in step) and as
+that padding otherwise: at batch 1 a whole forward, as before; in a batch on a CPU, where rows cost compute, fusing
+stops paying (it lost to the unfused engine at batch 4: docs/BENCHMARKS.md, Current results: *Engine vs the
+authors' reference script*), while where width is nearly free (a GPU) it still does.
 """
 
 from __future__ import annotations
@@ -140,12 +144,17 @@ class SuccessRate:
         return (self.successes + 1) / (self.tries + 2)
 
 
-def fusing_pays(costs: ForwardCosts | None, width: int, plan_width: int, used: SuccessRate) -> bool:
-    """Whether appending the next plan's `plan_width` masks to a forward of `width` tokens costs less than the plan
-    forward it saves times the chance that the plan is used; always, when the costs were not measured."""
+def fusing_pays(costs: ForwardCosts | None, width: int, plan_width: int, used: SuccessRate, batch: int = 1) -> bool:
+    """Whether appending the next plan's `plan_width` masks to a request of `width` tokens, in a forward of `batch`
+    sequences, costs less than what the plan would cost unfused times the chance that the plan is used (the module
+    docstring); always, when the costs were not measured."""
     if costs is None:
         return True
-    return costs.of(width + plan_width) - costs.of(width) < used.value * costs.of(plan_width)
+    rows, plan_rows = batch * width, batch * plan_width
+    extra = costs.of(rows + plan_rows) - costs.of(rows)
+    own_forward = costs.of(plan_rows)  # the batch plans in step: the plan is a forward of its own
+    padding = costs.of(max(rows, plan_rows)) - costs.of(rows)  # it pads a step the others take anyway
+    return extra < used.value * (own_forward + (batch - 1) * padding) / batch
 
 
 def best_draft_count(available: int, acceptance: AcceptanceByDepth, costs: ForwardCosts, width: int = 1) -> int:

@@ -284,8 +284,8 @@ def with_next_plan(round_: Generator[Forward, torch.Tensor, RoundOutcome], seq: 
     while True:
         riding = None
         batch = seq.cache.batch_size  # a batch's forward has every sequence's rows: its cost is theirs together
-        if request.may_end_round and fusing_pays(seq.forward_costs, batch * request.tokens.numel(),
-                                                 batch * mask_positions.numel(), plan_used):
+        if request.may_end_round and fusing_pays(seq.forward_costs, request.tokens.numel(), mask_positions.numel(),
+                                                 plan_used, batch):
             group = int(request.groups.max()) + 1
             logits = yield request.with_branch(mask_tokens, mask_positions, group, upto)
             logits, riding = logits[: request.logits_count], logits[request.logits_count:]
