@@ -83,6 +83,9 @@ def test_a_table_saves_loads_and_a_damaged_file_is_a_one_line_error(tmp_path, la
         assert loaded.followers[run] == (token, pytest.approx(frequency, rel=1e-6))
     with safe_open(str(tmp_path / TABLE_FILE), "pt") as f:
         assert f.get_tensor("runs_3").dtype == (torch.uint16 if largest_id <= 65535 else torch.int32)
+    saved = (tmp_path / TABLE_FILE).read_bytes()
+    loaded.save(tmp_path / TABLE_FILE)  # the same table saved again: the same bytes (a rebuilt table diffs clean)
+    assert (tmp_path / TABLE_FILE).read_bytes() == saved
     (tmp_path / TABLE_FILE).write_bytes(b"not a table")
     with pytest.raises(ValueError, match="is not a draft table"):
         DraftTable.load(tmp_path / TABLE_FILE)
@@ -143,3 +146,16 @@ def test_the_shipped_table_is_what_the_recipe_builds_by_default():
     table = DraftTable.load(embedded.ADAPTER_DIR / TABLE_FILE)
     assert table.orders == DEFAULT_ORDERS  # `refusion draft-table` without --orders, as the recipe runs it
     assert {len(run) for run in table.followers} == set(DEFAULT_ORDERS)
+
+
+def test_a_table_written_with_one_metadata_entry_per_setting_still_loads(tmp_path):
+    """Tables saved before the settings became one JSON entry (the shipped one among them) load as they did."""
+    from safetensors.torch import load_file, save_file
+
+    table = DraftTable.from_sequences([[1, 2, 3, 4, 1, 2, 3, 5]], orders=(2, 1), min_count=1, min_confidence=0.5)
+    table.save(tmp_path / "new.safetensors")
+    save_file(load_file(tmp_path / "new.safetensors"), str(tmp_path / "old.safetensors"),
+              metadata={"orders": "2,1", "min_confidence": "0.5"})
+    old = DraftTable.load(tmp_path / "old.safetensors")
+    assert (old.orders, old.min_confidence, old.followers) == (table.orders, table.min_confidence,
+                                                               DraftTable.load(tmp_path / "new.safetensors").followers)

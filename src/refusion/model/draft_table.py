@@ -22,6 +22,7 @@ Shipped next to a model as `draft_table.safetensors` (`refusion.load` puts it in
 from __future__ import annotations
 
 import collections
+import json
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ DEFAULT_ORDERS = (4, 3, 2, 1)
 """Lengths of the token runs a table keys on unless told otherwise."""
 TOKEN_ID_U16_MAX = 65535
 """A table whose token ids all fit in 16 bits stores them so (half the file of 32-bit ids)."""
+METADATA_KEY = "draft_table"
+"""The file's one metadata entry: the table's settings (orders, min_confidence) as JSON."""
 
 
 @dataclass(frozen=True)
@@ -102,8 +105,10 @@ class DraftTable:
             tensors[f"followers_{order}"] = torch.tensor([self.followers[r][0] for r in runs],
                                                          dtype=torch.int32).to(ids)
             tensors[f"frequencies_{order}"] = torch.tensor([self.followers[r][1] for r in runs], dtype=torch.float32)
-        save_file(tensors, str(path), metadata={"orders": ",".join(map(str, self.orders)),
-                                                "min_confidence": str(self.min_confidence)})
+        # one metadata entry: safetensors writes several in an order of its own, so two saves of one table
+        # would differ in bytes
+        settings = {"orders": list(self.orders), "min_confidence": self.min_confidence}
+        save_file(tensors, str(path), metadata={METADATA_KEY: json.dumps(settings, sort_keys=True)})
         os.chmod(path, 0o644)  # may ship as package data: readable by every user
 
     @staticmethod
@@ -113,11 +118,15 @@ class DraftTable:
         try:
             with safe_open(str(path), "pt") as f:
                 meta = f.metadata() or {}
-                if "orders" not in meta:
+                if METADATA_KEY in meta:
+                    settings = json.loads(meta[METADATA_KEY])
+                    orders, min_confidence = tuple(int(o) for o in settings["orders"]), float(settings["min_confidence"])
+                elif "orders" in meta:  # written before 2026-11-27: one metadata entry per setting
+                    orders = tuple(int(o) for o in meta["orders"].split(","))
+                    min_confidence = float(meta["min_confidence"])
+                else:
                     raise ValueError("no orders in its metadata (tables of one order, from before 2026-11-25, "
                                      "are rebuilt with `refusion draft-table`)")
-                orders = tuple(int(o) for o in meta["orders"].split(","))
-                min_confidence = float(meta["min_confidence"])
                 parts = [[f.get_tensor(f"{k}_{order}") for k in ("runs", "followers", "frequencies")]
                          for order in orders]
         except Exception as e:  # a damaged or foreign file: say which, not where safetensors tripped
