@@ -253,8 +253,8 @@ PRESETS: dict[str, dict] = {
     # copy, from the model's draft table (up to 16 tokens), without masks: on a 2-core AMX CPU the masks' drafts cost
     # more than they gave (docs/BENCHMARKS.md, Current results: *Masks' drafts in the exact mode*); for plan and
     # infill, the fastest of a k x tau_slot sweep (*Plan and infill on refusion-smol*; tau_slot 0.3 was faster still
-    # with v4 but looped on the README's own example). Both were chosen on the tuning prompts that BENCHMARKS.md
-    # names under "Prompts".
+    # with v4 and v5 but looped more, on the README's own example among others). Both were chosen on the tuning
+    # prompts that BENCHMARKS.md names under "Prompts".
     "refusion-smol": dict(strategy="speculative", draft_length=0, predraft=False, lookup_length=8, table_length=16,
                           slot_size=2, slot_threshold=0.5, token_threshold=0.3, block_size=16),
 }
