@@ -4,14 +4,19 @@ Everything is measured in one run on the same model and prompts (these machines 
 initialised ~100M-parameter Llama (SmolLM2-135M's shape), ReFusion and AR decoding, batch 1 vs batch B.
 Plan and infill runs four ways: the default (fused planning where the measured forward costs say it pays,
 `decode.costs`), always fused (a model refusion did not prepare), unfused, and unfused through transformers'
-forward instead of `model.compact` (the engine as it was before both). Ends with one JSON line.
+forward instead of `model.compact` and with plain products (the engine as it was before all three). The linear
+layers take the kernel `refusion.prepare` would choose (`--linear`, default auto: MKL-packed fp32 products where
+they give F.linear's bits, `model.sgemm`). The modes take turns repeat by repeat, so a drift of the machine touches
+them alike. Ends with one JSON line.
 
     python benchmarks/decode_engine.py [--batch 8] [--max-new-tokens 64] [--dtype bfloat16] [--repeats 2]
+                                       [--linear auto]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -22,7 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import refusion
 from refusion.decode.costs import measure
-from refusion.model.setup import plain_setup
+from refusion.model.setup import LINEAR_KERNELS, choose_linear_kernel, plain_setup
 
 
 def build_model(dtype: torch.dtype, seed: int = 0):
@@ -37,25 +42,41 @@ def build_model(dtype: torch.dtype, seed: int = 0):
     return model
 
 
-def timed(model, prompts, cfg, batch: int, repeats: int, setup) -> dict:
-    """Decode `prompts` in batches of `batch`; best-of-`repeats` wall time and totals."""
-    runs, sequences = [], []
-    for _ in range(repeats):
-        tokens = forwards = 0
-        seconds = forward_seconds = 0.0
-        sequences = []
-        for i in range(0, len(prompts), batch):
-            out = refusion.generate(model, prompts[i:i + batch], cfg, setup=setup)
-            sequences += out.sequences
-            tokens += out.stats.batch.tokens
-            forwards += out.stats.batch.forwards
-            seconds += out.stats.batch.seconds
-            forward_seconds += out.stats.batch.forward_seconds
-        runs.append(dict(tokens=tokens, forwards=forwards, seconds=seconds, forward_seconds=forward_seconds))
-    best = min(runs, key=lambda r: r["seconds"])
-    return dict(best, sequences=sequences, tokens_per_second=best["tokens"] / best["seconds"],
+def decode_once(model, prompts, cfg, batch: int, setup) -> dict:
+    """Decode `prompts` in batches of `batch` once: totals and the sequences."""
+    tokens = forwards = 0
+    seconds = forward_seconds = 0.0
+    sequences = []
+    for i in range(0, len(prompts), batch):
+        out = refusion.generate(model, prompts[i:i + batch], cfg, setup=setup)
+        sequences += out.sequences
+        tokens += out.stats.batch.tokens
+        forwards += out.stats.batch.forwards
+        seconds += out.stats.batch.seconds
+        forward_seconds += out.stats.batch.forward_seconds
+    return dict(tokens=tokens, forwards=forwards, seconds=seconds, forward_seconds=forward_seconds,
+                sequences=sequences)
+
+
+def best_of(runs: list[dict]) -> dict:
+    """The fastest of a mode's runs, with its rates and the median time."""
+    best = dict(min(runs, key=lambda r: r["seconds"]))
+    return dict(best, tokens_per_second=best["tokens"] / best["seconds"],
                 outside_forward_fraction=1 - best["forward_seconds"] / best["seconds"],
                 median_seconds=statistics.median(r["seconds"] for r in runs))
+
+
+@contextlib.contextmanager
+def plain_products(model):
+    """The model's linear layers as nn.Linear (F.linear) inside the block, their kernels restored after it."""
+    switched = {m: type(m) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    for m in switched:
+        m.__class__ = torch.nn.Linear
+    try:
+        yield
+    finally:
+        for m, kind in switched.items():
+            m.__class__ = kind
 
 
 def hf_generate(model, prompts, max_new_tokens: int, repeats: int) -> dict:
@@ -80,16 +101,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--slot-size", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--linear", default="auto", choices=LINEAR_KERNELS[:-1],
+                        help="the engine's linear kernel, as refusion.prepare chooses it (the stand-in: plain)")
     args = parser.parse_args()
 
     model = build_model(getattr(torch, args.dtype))
+    linear, why = choose_linear_kernel(model, args.linear)
+    print(f"linear kernel: {linear} ({why})")
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 49000, (int(n),), generator=gen).tolist()
                for n in torch.randint(24, 64, (args.batch,), generator=gen)]
     base = refusion.DecodeConfig(max_new_tokens=args.max_new_tokens, slot_size=args.slot_size,
                                  block_size=args.block_size, slot_threshold=0.5, token_threshold=0.3, eos_token_id=[])
-    refusion.generate(model, prompts[:2], base.replace(max_new_tokens=8))  # warm-up
-    refusion.generate(model, prompts[:2], base.for_strategy("autoregressive").replace(max_new_tokens=8))
+    for context in (contextlib.nullcontext(), plain_products(model)):  # warm-up: kernels choose their code
+        with context:
+            refusion.generate(model, prompts[:2], base.replace(max_new_tokens=8))
+            refusion.generate(model, prompts[:2], base.for_strategy("autoregressive").replace(max_new_tokens=8))
 
     # what `refusion.prepare` measures: the cost of each forward width (cost-aware fused planning); the
     # "always fused" mode decodes without it, as a model refusion did not prepare does
@@ -97,15 +124,24 @@ def main() -> None:
     with_costs, without_costs = plain_setup(model).replace(forward_costs=costs), plain_setup(model)
     transformers_forward = with_costs.replace(compact=False)  # the engine before model/compact.py
     print("forward costs:", costs.describe() if costs else None)
+    modes = {"refusion": base, "refusion_always_fused": base, "refusion_unfused": base.replace(fused_plan=False),
+             "refusion_unfused_transformers": base.replace(fused_plan=False),
+             "refusion_recompute": base.replace(kv_cache="recompute"),
+             "speculative": base.for_strategy("speculative").replace(predraft=True),
+             "autoregressive": base.for_strategy("autoregressive")}
+    batches = (1, args.batch)
+    runs = {name: {b: [] for b in batches} for name in modes}
+    for _ in range(args.repeats):  # the modes take turns: each repeat runs every mode once
+        for name, cfg in modes.items():
+            setup = {"refusion_always_fused": without_costs,
+                     "refusion_unfused_transformers": transformers_forward}.get(name, with_costs)
+            stand_in = name == "refusion_unfused_transformers"  # the engine before: plain products too
+            with plain_products(model) if stand_in else contextlib.nullcontext():
+                for b in batches:
+                    runs[name][b].append(decode_once(model, prompts, cfg, b, setup))
     results = {}
-    for name, cfg in {"refusion": base, "refusion_always_fused": base, "refusion_unfused": base.replace(fused_plan=False),
-                      "refusion_unfused_transformers": base.replace(fused_plan=False),
-                      "refusion_recompute": base.replace(kv_cache="recompute"),
-                      "speculative": base.for_strategy("speculative").replace(predraft=True),
-                      "autoregressive": base.for_strategy("autoregressive")}.items():
-        setup = {"refusion_always_fused": without_costs,
-                 "refusion_unfused_transformers": transformers_forward}.get(name, with_costs)
-        results[name] = {f"batch_{b}": timed(model, prompts, cfg, b, args.repeats, setup) for b in (1, args.batch)}
+    for name in modes:
+        results[name] = {f"batch_{b}": best_of(runs[name][b]) for b in batches}
         results[name]["batch_speedup"] = (results[name][f"batch_{args.batch}"]["tokens_per_second"]
                                           / results[name]["batch_1"]["tokens_per_second"])
     baseline = {b: results["refusion_unfused_transformers"][b]["sequences"] for b in ("batch_1", f"batch_{args.batch}")}
@@ -114,11 +150,12 @@ def main() -> None:
             mine = r[b].pop("sequences")
             if name.startswith("refusion"):
                 r[b]["identical_to_unfused_transformers"] = mine == sequences
-    results["transformers_generate"] = {"batch_1": hf_generate(model, prompts, args.max_new_tokens, args.repeats)}
+    with plain_products(model):  # transformers as it comes
+        results["transformers_generate"] = {"batch_1": hf_generate(model, prompts, args.max_new_tokens, args.repeats)}
     b1 = "batch_1"
     summary = {
         "benchmark": "decode_engine", "model": "random Llama, SmolLM2-135M shape", "dtype": args.dtype,
-        "batch": args.batch, "max_new_tokens": args.max_new_tokens, "slot_size": args.slot_size,
+        "batch": args.batch, "max_new_tokens": args.max_new_tokens, "linear": linear, "slot_size": args.slot_size,
         "block_size": args.block_size, "torch": torch.__version__, "threads": torch.get_num_threads(),
         "machine": platform.machine(), "results": results,
         "fused_plan_forward_saving_batch_1": 1 - results["refusion"][b1]["forwards"]

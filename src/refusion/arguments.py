@@ -85,7 +85,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     parser.add_argument("--linear", default="auto", choices=LINEAR_KERNELS,
                         help="linear kernel: auto (chosen by measurement on this machine) or pinned: plain, packed "
-                             "(bf16 on an AMX CPU, row-exact), narrow (weight-major few-token products), int4 "
+                             "(bf16 on an AMX CPU, row-exact), narrow (weight-major few-token products), sgemm "
+                             "(fp32 weights packed once for MKL, F.linear's bits), int4 "
                              "(a GGUF model's 4-bit blocks multiplied directly, bf16 CPU: faster, rounds "
                              "differently from bf16 weights)")
     parser.add_argument("--attention", default=None, metavar="IMPL",

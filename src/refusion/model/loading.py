@@ -134,7 +134,7 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
             a GPU that has it and on an AMX CPU, else fp16 on a GPU and fp32 on the CPU).
         device: "cpu", "cuda", ...; None picks CUDA when available.
         attn_implementation: "sdpa", "eager" or "refusion_exact"; None: `default_attention(device, dtype)`.
-        linear: the linear kernel, "auto" (chosen by measurement) or pinned: "plain", "packed", "narrow", or
+        linear: the linear kernel, "auto" (chosen by measurement) or pinned: "plain", "packed", "narrow", "sgemm", or
             "int4" (a GGUF source's 4-bit blocks multiplied directly: faster on the CPU, other rounding than bf16;
             `refusion.model.int4`) (`refusion.model.setup.prepare`).
         compile: decode through `torch.compile` over fixed shapes (CUDA graphs on a GPU: `refusion.decode.compiled`);

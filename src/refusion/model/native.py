@@ -3,7 +3,7 @@
 A one-token forward of SmolLM2-135M calls ~2,400 ATen operations besides its 121 products; called one by one from
 Python each costs a few microseconds of interpreter and dispatch on top of its work, about a third of a decoding
 step on a 2-core CPU. `NativeLayers` runs a `CompactForward`'s layer loop in a small C++ extension
-(`csrc/decoder_layers.cpp`): the products through the same ATen kernels (packed bf16, int4, plain; fused or not,
+(`csrc/decoder_layers.cpp`): the products through the same ATen kernels (packed bf16, int4, packed fp32, plain; fused or not,
 with a mask-gated adapter's updates), and what lies between them in a few fused passes that compute every element
 with the operations and roundings of the Python loop's chain of ATen operations (bf16 widened to fp32, each result
 rounded back as ATen rounds it, no FMA contraction): the norm with the residual add before it, a mask-gated update
@@ -16,7 +16,7 @@ docs/BENCHMARKS.md, Current results: *Native decoder layers*.
 
 It applies to models on the CPU, under inference (no autograd), whose attention is exact attention (the row-exact
 setup, the default where bf16 products are exact) or transformers' sdpa (the fp32 default elsewhere), whose
-products are packed, int4 or plain, with a SiLU MLP; anything else runs the Python loop (and compiles nothing).
+products are packed, int4, packed fp32 (`model.sgemm`) or plain, with a SiLU MLP; anything else runs the Python loop (and compiles nothing).
 The layers read the weights the Python loop would: packed and fused weights are rebuilt when a weight is written
 or replaced, a layer switched to another kernel is followed, and an int4 layer's changed weight is refused as
 `Int4Linear` refuses it. The forward releases the GIL, so a server's other threads run meanwhile.
@@ -45,13 +45,14 @@ from refusion.model.fused import FusedProduct, base_of
 from refusion.model.gated_lora import MaskGatedLoRA
 from refusion.model.int4 import GROUP, Int4Linear
 from refusion.model.row_exact import EXACT_ATTENTION, PackedLinear
+from refusion.model.sgemm import SgemmLinear
 
 SOURCE = Path(__file__).parent / "csrc" / "decoder_layers.cpp"
 EXTENSION = "refusion_native"
 """The extension's module name (and its folder under torch's extension directory)."""
 NATIVE_ENV = "REFUSION_NATIVE"
 """Set to 0 (or off) to decode without the C++ layers (nothing is compiled)."""
-KINDS = {nn.Linear: 0, PackedLinear: 1, Int4Linear: 2}
+KINDS = {nn.Linear: 0, PackedLinear: 1, Int4Linear: 2, SgemmLinear: 3}
 """The product kinds the C++ layers compute, by linear layer type (the constants of decoder_layers.cpp)."""
 ATTENTIONS = {EXACT_ATTENTION: 0, "sdpa": 1}
 """The attention implementations the C++ layers compute (the constants of decoder_layers.cpp): exact attention,
@@ -150,7 +151,7 @@ class NativeLayers:
                                     q_norm, k_norm, qkv, self._product(attn.o_proj), gate_up,
                                     self._product(mlp.down_proj), attn.head_dim, attn.scaling, self.attention,
                                     attn.num_key_value_groups))
-        self.bf16_only = any(kind is not nn.Linear for _, kind in self.kinds)
+        self.bf16_only = any(kind in (PackedLinear, Int4Linear) for _, kind in self.kinds)
         return ext.Stack(layers, self.sources, self.kinds)
 
     def _watch(self, tensors: dict, name: str) -> torch.Tensor | None:
@@ -180,7 +181,10 @@ class NativeLayers:
         base = self._base(member)
         weight, bias = base._parameters["weight"], base._parameters["bias"]
         kind = KINDS[type(base)]
-        if kind == KINDS[PackedLinear]:
+        packed = exact = torch.empty(0)
+        if kind == KINDS[SgemmLinear]:
+            scales, rows, packed, exact = torch.empty(0), 0, base._packed(), base.exact
+        elif kind == KINDS[PackedLinear]:
             weight, scales, rows = base._packed(), torch.empty(0), base.exact_rows
         elif kind == KINDS[Int4Linear]:
             weight, _, scales = base.blocks()
@@ -188,7 +192,7 @@ class NativeLayers:
         else:
             scales, rows = torch.empty(0), 0
         return self.extension.Product(kind, weight, scales, bias, rows, GROUP, [base.out_features],
-                                      self._updates([(0, member)] if member is not base else []))
+                                      self._updates([(0, member)] if member is not base else []), packed, exact)
 
     def _fused(self, product: FusedProduct):
         """A fused product as the C++ layers compute it (its stacked weights brought up to date)."""
@@ -198,7 +202,7 @@ class NativeLayers:
         kind = KINDS[PackedLinear] if product.kind == "packed" else KINDS[Int4Linear]
         scales = product.scales if product.scales is not None else torch.empty(0)
         return self.extension.Product(kind, product.weight, scales, product.bias, product.rows or 0, GROUP,
-                                      product.splits, self._updates(product.wrapped))
+                                      product.splits, self._updates(product.wrapped), torch.empty(0), torch.empty(0))
 
 
 def native_layers(compact) -> NativeLayers | None:

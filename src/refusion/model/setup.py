@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from refusion.decode.costs import ForwardCosts
     from refusion.model.compact import CompactForward
 
-LINEAR_KERNELS = ("auto", "plain", "packed", "narrow", "int4")
+LINEAR_KERNELS = ("auto", "plain", "packed", "narrow", "sgemm", "int4")
 """What `prepare(linear=...)` accepts: "auto" chooses by measurement; the others pin the choice ("int4", products by
 a GGUF file's 4-bit blocks, changes the numbers and is never chosen by "auto": `model.int4`)."""
 
@@ -54,8 +54,9 @@ class Kernels:
 
     linear: str
     """"plain" (nn.Linear), "packed" (bf16 weights packed once for AMX, row-exact: `model.row_exact`), "narrow"
-    (weight-major products in few-token forwards: `model.narrow`) or "int4" (products by the GGUF file's 4-bit
-    blocks where it ships them, the other layers packed where AMX has it: `model.int4`)."""
+    (weight-major products in few-token forwards: `model.narrow`), "sgemm" (fp32 weights packed once for MKL,
+    F.linear's bits: `model.sgemm`) or "int4" (products by the GGUF file's 4-bit blocks where it ships them, the
+    other layers packed where AMX has it: `model.int4`)."""
 
     attention: str
     """The attention implementation the model runs ("sdpa", "eager", "refusion_exact", ...)."""
@@ -155,7 +156,8 @@ def prepare(model, tokenizer=None, *, directory: str | Path | None = None, linea
         tokenizer: its tokenizer (EOS and mask tokens are also read from it); None: the configs only.
         directory: where the model's files are; a `draft_table.safetensors` there becomes the setup's table.
         linear: "auto" (packed bf16 products on an AMX CPU, else weight-major few-token products where the
-            probe measures them faster, else plain), or "plain" / "packed" / "narrow" to pin the choice, or "int4"
+            probe measures them faster, else packed fp32 ones where MKL has them and they measure faster, else
+            plain), or "plain" / "packed" / "narrow" / "sgemm" to pin the choice, or "int4"
             to multiply by the 4-bit blocks of `weights_file` (bf16 on the CPU; other numbers than bf16 weights).
         weights_file: the GGUF file the model was loaded from (what "int4" reads), or None.
         compile: run decoding forwards through `torch.compile` over fixed shapes (`refusion.decode.compiled`;
@@ -191,6 +193,7 @@ def choose_linear_kernel(model, linear: str, weights_file: str | Path | None = N
     (the kernel, why)."""
     from refusion.model.narrow import use_narrow_linears
     from refusion.model.row_exact import use_packed_linears
+    from refusion.model.sgemm import use_sgemm_linears
 
     if linear == "int4":
         switched, total = use_shipped_int4(model, weights_file)
@@ -205,11 +208,18 @@ def choose_linear_kernel(model, linear: str, weights_file: str | Path | None = N
         if linear == "packed":
             raise ValueError("linear='packed' needs bf16 weights on a CPU whose torch packs them for AMX "
                              "(this model or this machine has neither); use 'auto', 'plain' or 'narrow'")
+    if linear == "sgemm":
+        if use_sgemm_linears(model, force=True):
+            return "sgemm", "pinned by the caller"
+        raise ValueError("linear='sgemm' needs fp32 weights on a CPU whose torch has MKL (this model or this "
+                         "machine has neither); use 'auto', 'plain' or 'narrow'")
     if use_narrow_linears(model, force=True if linear == "narrow" else None):
         return "narrow", ("pinned by the caller" if linear == "narrow" else
                           "the probe measured few-token products faster weight-major on this CPU")
-    return "plain", ("not a CPU model, its weights fit in the CPU cache, or weight-major products measured no "
-                     "faster here")
+    if use_sgemm_linears(model):
+        return "sgemm", "fp32 on a CPU with MKL: weights packed once, products F.linear's bits (measured faster)"
+    return "plain", ("not a CPU model, its weights fit in the CPU cache, or weight-major and packed products "
+                     "measured no faster here")
 
 
 def use_shipped_int4(model, weights_file: str | Path | None) -> tuple[int, int]:
@@ -258,11 +268,15 @@ def _linear_kernel_of(model) -> str:
     from refusion.model.int4 import Int4Linear
     from refusion.model.narrow import NarrowLinear
     from refusion.model.row_exact import PackedLinear
+    from refusion.model.sgemm import SgemmLinear
 
     kinds = {type(m) for m in model.modules()}
     if Int4Linear in kinds:
         return "int4"
-    return "packed" if PackedLinear in kinds else "narrow" if NarrowLinear in kinds else "plain"
+    for kind, name in ((PackedLinear, "packed"), (NarrowLinear, "narrow"), (SgemmLinear, "sgemm")):
+        if kind in kinds:
+            return name
+    return "plain"
 
 
 def _attention_of(model) -> str:

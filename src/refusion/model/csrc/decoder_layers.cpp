@@ -24,6 +24,12 @@ namespace {
 constexpr int64_t kPlain = 0;   // F.linear on the weight as it is
 constexpr int64_t kPacked = 1;  // row_exact.PackedLinear: the oneDNN-packed bf16 weight, chunks of exact rows
 constexpr int64_t kInt4 = 2;    // int4.Int4Linear: the 4-bit blocks
+constexpr int64_t kSgemm = 3;   // sgemm.SgemmLinear: MKL's packed fp32 weight where it gives F.linear's bits
+
+// states of a row count in an sgemm product's `exact` (sgemm.py NOT_PROBED, EXACT, INEXACT)
+constexpr uint8_t kNotProbed = 0;
+constexpr uint8_t kExactRows = 1;
+constexpr uint8_t kInexactRows = 2;
 
 // A mask-gated adapter's update, added at the mask rows to one member's columns (gated_lora.MaskGatedLoRA).
 struct Update {
@@ -42,6 +48,8 @@ struct Product {
   int64_t group;                // int4: weights per block
   std::vector<int64_t> splits;  // the members' output features
   std::vector<Update> updates;
+  Tensor packed;                // sgemm: the MKL-packed weight
+  Tensor exact;                 // sgemm: uint8 per row count, shared with the Python layers of this shape
 };
 
 struct Norm {
@@ -81,6 +89,31 @@ Tensor packed_product(const Tensor& x, const Tensor& weight, const c10::optional
                        .typed<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&, c10::string_view,
                                      c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
   return op.call(x, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
+}
+
+// sgemm.SgemmLinear._packed_product
+Tensor sgemm_product(const Tensor& flat, const Product& p) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkl::_mkl_linear", "")
+                       .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&,
+                                     int64_t)>();
+  return op.call(flat, p.packed, p.weight, p.bias, flat.size(0));
+}
+
+// sgemm.SgemmLinear.forward (fp32 inference on the CPU): packed where that row count gave F.linear's bits, the
+// first product of a row count both ways and compared
+Tensor sgemm_linear(const Tensor& x, const Product& p) {
+  int64_t rows = x.size(-1) ? x.numel() / x.size(-1) : 0;
+  if (rows == 0 || rows >= p.exact.numel() || x.scalar_type() != at::kFloat) return at::linear(x, p.weight, p.bias);
+  uint8_t* state = p.exact.data_ptr<uint8_t>() + rows;
+  if (*state == kInexactRows) return at::linear(x, p.weight, p.bias);
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = p.weight.size(0);
+  Tensor packed = sgemm_product(x.reshape({rows, x.size(-1)}), p).view(shape);
+  if (*state == kExactRows) return packed;
+  Tensor plain = at::linear(x, p.weight, p.bias);
+  *state = at::equal(packed, plain) ? kExactRows : kInexactRows;
+  return plain;
 }
 
 // ------------------------------------------------------------------------------------------------ fused kernels
@@ -245,6 +278,8 @@ std::vector<Tensor> product(const Product& p, const Tensor& x, const MaskRows& m
   Tensor out;
   if (p.kind == kPlain) {
     out = at::linear(x, p.weight, p.bias);
+  } else if (p.kind == kSgemm) {
+    out = sgemm_linear(x, p);
   } else {
     Tensor flat = x.reshape({-1, x.size(-1)});
     if (p.kind == kPacked) {
@@ -746,7 +781,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Update>(m, "Update").def(py::init<int64_t, Tensor, Tensor>());
   py::class_<Product>(m, "Product")
       .def(py::init<int64_t, Tensor, Tensor, c10::optional<Tensor>, int64_t, int64_t, std::vector<int64_t>,
-                    std::vector<Update>>());
+                    std::vector<Update>, Tensor, Tensor>());
   py::class_<Norm>(m, "Norm").def(py::init<Tensor, double>());
   py::class_<Layer>(m, "Layer")
       .def(py::init<Norm, Norm, c10::optional<Norm>, c10::optional<Norm>, std::vector<Product>, Product,
