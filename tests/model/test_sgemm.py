@@ -34,7 +34,7 @@ def switched_layer(in_features: int, out_features: int, bias: bool, seed: int = 
 def test_every_row_count_gives_f_linears_bits_first_and_later(shape, bias):
     layer = switched_layer(*shape, bias, seed=1)
     x = torch.randn(2, 70, shape[0])
-    for _ in range(2):  # first: probed (F.linear's product returned); then: the recorded kernel
+    for _ in range(2):  # first: probed; then: as recorded
         for rows in (1, 3, 15, 16, 17, 32, 40, 56, 57, 64, 70, 140):
             flat = x.reshape(-1, shape[0])[:rows]
             assert torch.equal(layer(flat), F.linear(flat, layer.weight, layer.bias))

@@ -7,14 +7,15 @@ weight once (`_mkl_reorder_linear_weight`) and multiplies by the packed copy (`_
 Xeon the layer products of SmolLM2-135M's shape at 32 rows cost 0.59 ms per layer packed against 0.92 ms plain,
 and the LM head 8.5 ms against 10.1 (docs/BENCHMARKS.md, Current results: *Packed fp32 products*).
 
-At most row counts that decoding uses (16-56 rows for every matrix of that shape, on that machine) the packed
-product is `F.linear` bit for bit: the same kernel, the same order of summation. At others `F.linear` takes
-another path (a small-matrix kernel below 16 rows, another blocking for the 1536-wide down projection from 57)
+At most row counts that decoding uses the packed product is `F.linear` bit for bit: the same kernel, the same order
+of summation (on that machine, for SmolLM2-135M's matrices: 16-56 rows for every one of them, from 4 rows for the
+attention's, to 128 rows, as far as probed, for all but the down projection). At the others `F.linear` takes
+another path (a small-matrix kernel below 16 rows, another blocking for the 1536-wide down projection from 57 rows)
 that rounds differently. Which row counts match is a fact of the machine, the MKL build and the weight's shape,
-so a layer computes the first product of each row count both ways and compares them (the first result is
-`F.linear`'s); from then on every layer of that shape multiplies packed at the row counts that matched and by
+so before its first product of each row count a layer multiplies random inputs of that many rows both ways and
+compares them; from then on every layer of that shape multiplies packed at the row counts that matched and by
 `F.linear` at the others. A model switched to `SgemmLinear` therefore computes what it computed before, bit for
-bit (at the thread count of those first products), faster: every guarantee of fp32 decoding (docs/DECODING.md,
+bit (at the thread count of those probes), faster: every guarantee of fp32 decoding (docs/DECODING.md,
 Guarantees) holds unchanged.
 
 `prepare` switches fp32 CPU models whose plain products it did not make weight-major (`model.narrow`) where the
@@ -71,14 +72,20 @@ class SgemmLinear(nn.Linear):
                 or torch.is_grad_enabled() or torch.compiler.is_compiling()):
             return F.linear(x, self.weight, self.bias)
         state = int(self.exact[rows])
+        if state == NOT_PROBED:
+            state = self._probe(rows)
         if state == INEXACT:
             return F.linear(x, self.weight, self.bias)
-        packed = self._packed_product(x.reshape(rows, self.in_features)).view(*x.shape[:-1], self.out_features)
-        if state == EXACT:
-            return packed
-        plain = F.linear(x, self.weight, self.bias)  # first product of this many rows: both ways, compared
-        self.exact[rows] = EXACT if torch.equal(packed, plain) else INEXACT
-        return plain
+        return self._packed_product(x.reshape(rows, self.in_features)).view(*x.shape[:-1], self.out_features)
+
+    def _probe(self, rows: int) -> int:
+        """Whether products of `rows` rows give F.linear's bits packed (on random inputs of their own, so that no
+        input decides it by chance), recorded for every layer of this shape."""
+        generator = torch.Generator().manual_seed(rows)
+        x = torch.randn(rows, self.in_features, generator=generator)
+        same = torch.equal(self._packed_product(x), F.linear(x, self.weight, self.bias))
+        self.exact[rows] = EXACT if same else INEXACT
+        return int(self.exact[rows])
 
     def _packed_product(self, flat: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkl._mkl_linear(flat, self._packed(), self._parameters["weight"], self._parameters["bias"],

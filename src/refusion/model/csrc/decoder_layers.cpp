@@ -7,6 +7,7 @@
 
 #include <torch/extension.h>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -100,20 +101,21 @@ Tensor sgemm_product(const Tensor& flat, const Product& p) {
   return op.call(flat, p.packed, p.weight, p.bias, flat.size(0));
 }
 
-// sgemm.SgemmLinear.forward (fp32 inference on the CPU): packed where that row count gave F.linear's bits, the
-// first product of a row count both ways and compared
+// sgemm.SgemmLinear.forward (fp32 inference on the CPU): packed where that row count gave F.linear's bits, a row
+// count probed before its first product (SgemmLinear._probe: random inputs, the same numbers as Python's)
 Tensor sgemm_linear(const Tensor& x, const Product& p) {
   int64_t rows = x.size(-1) ? x.numel() / x.size(-1) : 0;
   if (rows == 0 || rows >= p.exact.numel() || x.scalar_type() != at::kFloat) return at::linear(x, p.weight, p.bias);
   uint8_t* state = p.exact.data_ptr<uint8_t>() + rows;
+  if (*state == kNotProbed) {
+    at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(rows));
+    Tensor probe = at::randn({rows, x.size(-1)}, generator, x.options());
+    *state = at::equal(sgemm_product(probe, p), at::linear(probe, p.weight, p.bias)) ? kExactRows : kInexactRows;
+  }
   if (*state == kInexactRows) return at::linear(x, p.weight, p.bias);
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = p.weight.size(0);
-  Tensor packed = sgemm_product(x.reshape({rows, x.size(-1)}), p).view(shape);
-  if (*state == kExactRows) return packed;
-  Tensor plain = at::linear(x, p.weight, p.bias);
-  *state = at::equal(packed, plain) ? kExactRows : kInexactRows;
-  return plain;
+  return sgemm_product(x.reshape({rows, x.size(-1)}), p).view(shape);
 }
 
 // ------------------------------------------------------------------------------------------------ fused kernels
