@@ -3,23 +3,23 @@
 A one-token forward of SmolLM2-135M calls ~2,400 ATen operations besides its 121 products; called one by one from
 Python each costs a few microseconds of interpreter and dispatch on top of its work, about a third of a decoding
 step on a 2-core CPU. `NativeLayers` runs a `CompactForward`'s layer loop in a small C++ extension
-(`csrc/decoder_layers.cpp`): the products through the same ATen kernels (packed bf16, int4, packed fp32, plain; fused or not,
-with a mask-gated adapter's updates), and what lies between them in a few fused passes that compute every element
-with the operations and roundings of the Python loop's chain of ATen operations (bf16 widened to fp32, each result
-rounded back as ATen rounds it, no FMA contraction): the norm with the residual add before it, a mask-gated update
-added to its product's output, rotary embedding with the KV entries written where `SlotCache.write` writes them, and
-exact attention over the cache's fp64 entries (products of bf16 numbers, exact in fp64, summed in an order of its
-own, which does not change an exact sum; ATen's own sum and softmax for the reductions whose order does matter).
-SiLU and sdpa stay ATen's. Its logits are the Python loop's bit for bit (tests/model/test_native.py), so every
-guarantee of the compact forward (transformers' logits, rows as they would be alone) holds unchanged; measured in
-docs/BENCHMARKS.md, Current results: *Native decoder layers*.
+(`csrc/decoder_layers.cpp`): the products through the same ATen kernels (packed bf16, int4, packed fp32, plain;
+fused or not, with a mask-gated adapter's updates), and what lies between them in a few fused passes that compute
+every element with the operations and roundings of the Python loop's chain of ATen operations (bf16 widened to fp32,
+each result rounded back as ATen rounds it, no FMA contraction): the norm with the residual add before it, a
+mask-gated update added to its product's output, rotary embedding with the KV entries written where
+`SlotCache.write` writes them, and exact attention over the cache's fp64 entries (products of bf16 numbers, exact in
+fp64, summed in an order of its own, which does not change an exact sum; ATen's own sum and softmax for the
+reductions whose order does matter). SiLU and sdpa stay ATen's. Its logits are the Python loop's bit for bit
+(tests/model/test_native.py), so every guarantee of the compact forward (transformers' logits, rows as they would be
+alone) holds unchanged; measured in docs/BENCHMARKS.md, Current results: *Native decoder layers*.
 
 It applies to models on the CPU, under inference (no autograd), whose attention is exact attention (the row-exact
-setup, the default where bf16 products are exact) or transformers' sdpa (the fp32 default elsewhere), whose
-products are packed, int4, packed fp32 (`model.sgemm`) or plain, with a SiLU MLP; anything else runs the Python loop (and compiles nothing).
-The layers read the weights the Python loop would: packed and fused weights are rebuilt when a weight is written
-or replaced, a layer switched to another kernel is followed, and an int4 layer's changed weight is refused as
-`Int4Linear` refuses it. The forward releases the GIL, so a server's other threads run meanwhile.
+setup, the default where bf16 products are exact) or transformers' sdpa (the fp32 default elsewhere), whose products
+are packed, int4, packed fp32 (`model.sgemm`) or plain, with a SiLU MLP; anything else runs the Python loop (and
+compiles nothing). The layers read the weights the Python loop would: packed and fused weights are rebuilt when a
+weight is written or replaced, a layer switched to another kernel is followed, and an int4 layer's changed weight is
+refused as `Int4Linear` refuses it. The forward releases the GIL, so a server's other threads run meanwhile.
 
 The extension is compiled once per machine, torch version and source (~30 s with g++; `ninja` is a
 dependency) into torch's extension directory (`TORCH_EXTENSIONS_DIR`, else ~/.cache/torch_extensions) and loaded

@@ -216,7 +216,7 @@ def choose_linear_kernel(model, linear: str, weights_file: str | Path | None = N
     if use_narrow_linears(model, force=True if linear == "narrow" else None):
         return "narrow", ("pinned by the caller" if linear == "narrow" else
                           "the probe measured few-token products faster weight-major on this CPU")
-    if use_sgemm_linears(model):
+    if linear == "auto" and use_sgemm_linears(model):
         return "sgemm", "fp32 on a CPU with MKL: weights packed once, products F.linear's bits (measured faster)"
     return "plain", ("not a CPU model, its weights fit in the CPU cache, or weight-major and packed products "
                      "measured no faster here")
