@@ -38,7 +38,8 @@ def test_every_row_count_gives_f_linears_bits_first_and_later(shape, bias):
         for rows in (1, 3, 15, 16, 17, 32, 40, 56, 57, 64, 70, 140):
             flat = x.reshape(-1, shape[0])[:rows]
             assert torch.equal(layer(flat), F.linear(flat, layer.weight, layer.bias))
-    assert int(layer.exact[16]) != NOT_PROBED and int(layer.exact[200]) == NOT_PROBED  # 140 rows: a [2, 70] input
+    threads = torch.get_num_threads()
+    assert int(layer.exact[threads, 16]) != NOT_PROBED and int(layer.exact[threads, 200]) == NOT_PROBED  # 140 = 2 x 70
 
 
 @torch.inference_mode()
@@ -48,7 +49,7 @@ def test_layers_of_one_shape_share_what_was_probed_and_the_packed_path_runs(monk
     first, second, other = model
     assert first.exact is second.exact and first.exact is not other.exact
     first(torch.randn(24, 64))
-    state = int(second.exact[24])
+    state = int(second.exact[torch.get_num_threads(), 24])
     assert state in (EXACT, INEXACT)
     calls, linear = [], F.linear
     x = torch.randn(24, 64)
@@ -56,6 +57,22 @@ def test_layers_of_one_shape_share_what_was_probed_and_the_packed_path_runs(monk
     monkeypatch.setattr(sgemm.F, "linear", lambda *a: calls.append(a) or linear(*a))
     assert torch.equal(second(x), expected)
     assert len(calls) == (0 if state == EXACT else 1)  # probed by the first layer: one product, not two
+
+
+@torch.inference_mode()
+def test_each_thread_count_has_its_own_record():
+    layer = switched_layer(576, 576, bias=False, seed=4)
+    threads = torch.get_num_threads()
+    x = torch.randn(8, 576)
+    try:
+        for count in sorted({1, threads}):
+            torch.set_num_threads(count)
+            assert torch.equal(layer(x), F.linear(x, layer.weight))
+            assert int(layer.exact[count, 8]) in (EXACT, INEXACT)
+        torch.set_num_threads(layer.exact.shape[0])  # more threads than the record has rows: F.linear
+        assert torch.equal(layer(x), F.linear(x, layer.weight))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_training_the_state_dict_and_written_weights_see_the_plain_weight():
@@ -88,15 +105,24 @@ def long_forward(model, run, rows: int = 40, seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])  # qwen2: q/k/v with a bias
 def test_native_and_python_layers_with_packed_products_keep_the_plain_logits(family):
-    model = tiny_model(family, hidden_size=64, dtype=torch.float32, seed=3, attn_implementation="sdpa")
-    plain = [long_forward(model, CompactForward(model, native=False), rows) for rows in (5, 20, 40)]
-    assert use_sgemm_linears(model, force=True) > 0
-    native = compact_forward(model)
+    def model():
+        return tiny_model(family, hidden_size=64, dtype=torch.float32, seed=3, attn_implementation="sdpa")
+
+    plain, switched = model(), model()
+    assert use_sgemm_linears(switched, force=True) > 0
+    native = compact_forward(switched)
     assert native.native is not None
-    for _ in range(2):  # probed, then recorded
-        for rows, expected in zip((5, 20, 40), plain):
-            assert torch.equal(long_forward(model, CompactForward(model, native=False), rows), expected)
-            assert torch.equal(long_forward(model, native, rows), expected)
+    threads = torch.get_num_threads()
+    try:
+        for count in sorted({1, threads}):  # MKL's kernels depend on the thread count: so does the record
+            torch.set_num_threads(count)
+            for _ in range(2):  # probed, then recorded
+                for rows in (5, 20, 40):
+                    expected = long_forward(plain, CompactForward(plain, native=False), rows)
+                    assert torch.equal(long_forward(switched, CompactForward(switched, native=False), rows), expected)
+                    assert torch.equal(long_forward(switched, native, rows), expected)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("strategy", ["refusion", "speculative"])

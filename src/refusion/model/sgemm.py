@@ -14,8 +14,8 @@ another path (a small-matrix kernel below 16 rows, another blocking for the 1536
 that rounds differently. Which row counts match is a fact of the machine, the MKL build and the weight's shape,
 so before its first product of each row count a layer multiplies random inputs of that many rows both ways and
 compares them; from then on every layer of that shape multiplies packed at the row counts that matched and by
-`F.linear` at the others. A model switched to `SgemmLinear` therefore computes what it computed before, bit for
-bit (at the thread count of those probes), faster: every guarantee of fp32 decoding (docs/DECODING.md,
+`F.linear` at the others. MKL also chooses by the thread count, so each thread count has its own record. A model
+switched to `SgemmLinear` therefore computes what it computed before, bit for bit, faster: every guarantee of fp32 decoding (docs/DECODING.md,
 Guarantees) holds unchanged.
 
 `prepare` switches fp32 CPU models whose plain products it did not make weight-major (`model.narrow`) where the
@@ -28,6 +28,7 @@ alone. Training, autograd and compiled forwards take `F.linear`.
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 import torch
@@ -52,13 +53,19 @@ _EXACT: dict[tuple[int, int, bool], torch.Tensor] = {}
 """The row-count states of each weight shape (in, out, bias), shared by its layers and by the C++ layers."""
 
 
+def thread_slots() -> int:
+    """Rows of a state table: thread counts 0 .. this - 1 (a process with more threads takes F.linear)."""
+    return max(os.cpu_count() or 1, torch.get_num_threads()) + 1
+
+
 class SgemmLinear(nn.Linear):
     """nn.Linear whose fp32 CPU inference forwards multiply by an MKL-packed copy of its weight at the row counts
     where that gives F.linear's bits (probed on first use); other row counts, dtypes, training: F.linear."""
 
     exact: torch.Tensor
-    """uint8 [MAX_ROWS + 1], shared by the layers of this shape: per row count, NOT_PROBED, EXACT (the packed
-    product is F.linear's bits) or INEXACT."""
+    """uint8 [thread_slots(), MAX_ROWS + 1], shared by the layers of this shape: per thread count and row count,
+    NOT_PROBED, EXACT (the packed product is F.linear's bits) or INEXACT. MKL chooses its kernels by the thread
+    count as well (on the 2-core Xeon, 576 x 576 products of 4-15 rows match with 2 threads, not with 1)."""
 
     packed_weight: torch.Tensor | None = None
     """The MKL-packed copy of the weight (`_packed`)."""
@@ -68,24 +75,25 @@ class SgemmLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if (rows == 0 or rows > MAX_ROWS or x.dtype != torch.float32 or x.device.type != "cpu"
-                or torch.is_grad_enabled() or torch.compiler.is_compiling()):
+        threads = torch.get_num_threads()
+        if (rows == 0 or rows > MAX_ROWS or threads >= self.exact.shape[0] or x.dtype != torch.float32
+                or x.device.type != "cpu" or torch.is_grad_enabled() or torch.compiler.is_compiling()):
             return F.linear(x, self.weight, self.bias)
-        state = int(self.exact[rows])
+        state = int(self.exact[threads, rows])
         if state == NOT_PROBED:
-            state = self._probe(rows)
+            state = self._probe(threads, rows)
         if state == INEXACT:
             return F.linear(x, self.weight, self.bias)
         return self._packed_product(x.reshape(rows, self.in_features)).view(*x.shape[:-1], self.out_features)
 
-    def _probe(self, rows: int) -> int:
-        """Whether products of `rows` rows give F.linear's bits packed (on random inputs of their own, so that no
-        input decides it by chance), recorded for every layer of this shape."""
+    def _probe(self, threads: int, rows: int) -> int:
+        """Whether products of `rows` rows on `threads` threads give F.linear's bits packed (on random inputs of
+        their own, so that no input decides it by chance), recorded for every layer of this shape."""
         generator = torch.Generator().manual_seed(rows)
         x = torch.randn(rows, self.in_features, generator=generator)
         same = torch.equal(self._packed_product(x), F.linear(x, self.weight, self.bias))
-        self.exact[rows] = EXACT if same else INEXACT
-        return int(self.exact[rows])
+        self.exact[threads, rows] = EXACT if same else INEXACT
+        return int(self.exact[threads, rows])
 
     def _packed_product(self, flat: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkl._mkl_linear(flat, self._packed(), self._parameters["weight"], self._parameters["bias"],
@@ -158,5 +166,5 @@ def use_sgemm_linears(model: nn.Module, force: bool | None = None) -> int:
     for layer in layers:
         layer.__class__ = SgemmLinear
         key = (layer.in_features, layer.out_features, layer.bias is not None)
-        layer.exact = _EXACT.setdefault(key, torch.zeros(MAX_ROWS + 1, dtype=torch.uint8))
+        layer.exact = _EXACT.setdefault(key, torch.zeros(thread_slots(), MAX_ROWS + 1, dtype=torch.uint8))
     return len(layers)

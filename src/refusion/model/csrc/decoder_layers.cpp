@@ -50,7 +50,7 @@ struct Product {
   std::vector<int64_t> splits;  // the members' output features
   std::vector<Update> updates;
   Tensor packed;                // sgemm: the MKL-packed weight
-  Tensor exact;                 // sgemm: uint8 per row count, shared with the Python layers of this shape
+  Tensor exact;                 // sgemm: uint8 [thread counts, row counts], shared with the Python layers
 };
 
 struct Norm {
@@ -101,12 +101,15 @@ Tensor sgemm_product(const Tensor& flat, const Product& p) {
   return op.call(flat, p.packed, p.weight, p.bias, flat.size(0));
 }
 
-// sgemm.SgemmLinear.forward (fp32 inference on the CPU): packed where that row count gave F.linear's bits, a row
-// count probed before its first product (SgemmLinear._probe: random inputs, the same numbers as Python's)
+// sgemm.SgemmLinear.forward (fp32 inference on the CPU): packed where that row count gave F.linear's bits at this
+// thread count, a row count probed before its first product (SgemmLinear._probe: random inputs, Python's numbers)
 Tensor sgemm_linear(const Tensor& x, const Product& p) {
   int64_t rows = x.size(-1) ? x.numel() / x.size(-1) : 0;
-  if (rows == 0 || rows >= p.exact.numel() || x.scalar_type() != at::kFloat) return at::linear(x, p.weight, p.bias);
-  uint8_t* state = p.exact.data_ptr<uint8_t>() + rows;
+  int64_t threads = at::get_num_threads();
+  if (rows == 0 || rows >= p.exact.size(1) || threads >= p.exact.size(0) || x.scalar_type() != at::kFloat) {
+    return at::linear(x, p.weight, p.bias);
+  }
+  uint8_t* state = p.exact.data_ptr<uint8_t>() + threads * p.exact.stride(0) + rows;
   if (*state == kNotProbed) {
     at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(rows));
     Tensor probe = at::randn({rows, x.size(-1)}, generator, x.options());
