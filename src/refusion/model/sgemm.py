@@ -50,7 +50,8 @@ more than F.linear's)."""
 NOT_PROBED, EXACT, INEXACT = 0, 1, 2
 """States of a row count in `SgemmLinear.exact` (the constants of decoder_layers.cpp)."""
 _EXACT: dict[tuple[int, int, bool], torch.Tensor] = {}
-"""The row-count states of each weight shape (in, out, bias), shared by its layers and by the C++ layers."""
+"""The states (by thread count and row count) of each weight shape (in, out, bias), shared by its layers and by
+the C++ layers."""
 
 
 def thread_slots() -> int:
