@@ -45,8 +45,8 @@ MIN_GAIN = 1.1
 """Packed products are used only where the probe measures them at least this much faster."""
 PACKED_FOR_ROWS = 64
 """The row count MKL packs a weight for (its layout depends on it; any row count can multiply by it): on the 2-core
-AMX Xeon, packed for 64 rows the LM head multiplied 16-64 rows fastest (for 32 rows, products of 40-64 rows cost
-more than F.linear's)."""
+AMX Xeon, packed for 64 rows the LM head multiplied 16-64 rows fastest (packed for 32, its products of 40 and 48
+rows cost more than F.linear's)."""
 NOT_PROBED, EXACT, INEXACT = 0, 1, 2
 """States of a row count in `SgemmLinear.exact` (the constants of decoder_layers.cpp)."""
 _EXACT: dict[tuple[int, int, bool], torch.Tensor] = {}
