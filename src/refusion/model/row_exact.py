@@ -72,12 +72,23 @@ class PackedLinear(nn.Linear):
 
     def _packed(self) -> torch.Tensor:
         """The packed weight, rebuilt when the parameter was written or replaced since it was packed."""
-        weight = self._parameters["weight"]  # (the dict itself: nn.Module's attribute lookup costs microseconds)
-        key = weight_key(weight)
-        if key != self.packed_key:
-            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-            self.packed_key = key
-        return self.packed_weight
+        return packed_copy(self, reorder_weight)
+
+
+def reorder_weight(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's packed copy of a bf16 [out, in] weight."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
+def packed_copy(layer: nn.Linear, pack) -> torch.Tensor:
+    """`pack(layer.weight)`, kept on the layer (`packed_weight`, with the `packed_key` it was packed at) and rebuilt
+    when the parameter was written or replaced since: the packed linear layers' weight copy."""
+    weight = layer._parameters["weight"]  # (the dict itself: nn.Module's attribute lookup costs microseconds)
+    key = weight_key(weight)
+    if key != layer.packed_key:
+        layer.packed_weight = pack(weight.detach())
+        layer.packed_key = key
+    return layer.packed_weight
 
 
 def weight_key(weight: torch.Tensor) -> tuple:
@@ -133,7 +144,7 @@ def exact_rows(in_features: int, out_features: int, max_rows: int = MAX_EXACT_RO
     per shape (choosing the dtype and switching the layers ask for the same shapes)."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
-    packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    packed_weight = reorder_weight(weight)
     x = torch.randn(max_rows, in_features, generator=generator).to(torch.bfloat16)
     alone = torch.cat([packed_product(x[i:i + 1], packed_weight, None) for i in range(max_rows)])
     if not torch.equal(alone[:1], F.linear(x[:1], weight)):

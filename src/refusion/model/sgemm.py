@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from refusion.model.row_exact import MAX_PACKED_BYTES, weight_key
+from refusion.model.row_exact import MAX_PACKED_BYTES, packed_copy
 
 MAX_ROWS = 256
 """Products of more rows than this (a long prefill) always take F.linear."""
@@ -102,12 +102,7 @@ class SgemmLinear(nn.Linear):
 
     def _packed(self) -> torch.Tensor:
         """The packed weight, rebuilt when the parameter was written or replaced since it was packed."""
-        weight = self._parameters["weight"]
-        key = weight_key(weight)
-        if key != self.packed_key:
-            self.packed_weight = pack(weight.detach())
-            self.packed_key = key
-        return self.packed_weight
+        return packed_copy(self, pack)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
