@@ -6,8 +6,9 @@ mode (the embedded model's preset; "exact_every_draft" the same without the cost
 `model.compact`; "ar_unfused" and "exact_unfused" without its fused products, `model.fused`; "ar_python" and
 "exact_python" with its layer loop in Python instead of C++, `model.native`; "plan_and_infill" at the preset's
 slot settings; `--modes` chooses) with each linear kernel (`--kernels`, default the auto choice and "int4", the
-GGUF's 4-bit blocks; `--dtype float32 --kernels plain,sgemm` for what CPUs without AMX load), then llama.cpp's plain greedy decoding of the base GGUF (`--llama-cpp DIR` holding a
-`llama-completion` binary; skipped without it). Reported per engine and prompt group: tokens, seconds, tokens/s
+GGUF's 4-bit blocks; `--dtype float32 --kernels plain,sgemm` for what CPUs without fast bf16 load; a kernel's own
+dtype as KERNEL:DTYPE, e.g. `--kernels auto:float32,auto`), then llama.cpp's plain greedy decoding of the base GGUF
+(`--llama-cpp DIR` holding a `llama-completion` binary; skipped without it). Reported per engine and prompt group: tokens, seconds, tokens/s
 (refusion: prefill included; llama.cpp: prompt evaluation included, and decode alone), the ratio to the first
 kernel's AR decoding, how many outputs equal that kernel's AR decoding (the exact mode's promise) and how many
 equal the first kernel's in the same mode (what switching kernels changes). Ends with one JSON line.
@@ -98,11 +99,18 @@ def llama_cpp_decode(binary: Path, gguf: Path, text: str, max_new_tokens: int, t
             "decode_tokens": runs}
 
 
+def load_kernel(spec: str, dtype: str | None):
+    """The embedded model loaded with one kernel spec: KERNEL, or KERNEL:DTYPE (that dtype for this one)."""
+    kernel, _, own_dtype = spec.partition(":")
+    return load(linear=kernel, dtype=own_dtype or dtype)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--per-group", type=int, default=6, help="prompts per group")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--kernels", default="auto,int4", help="comma-separated linear kernels (refusion.load)")
+    parser.add_argument("--kernels", default="auto,int4", help="comma-separated linear kernels (refusion.load), "
+                                                                 "each KERNEL or KERNEL:DTYPE (auto:float32)")
     parser.add_argument("--dtype", default=None, help="the models' dtype (default: refusion.load's choice; float32 "
                                                       "is what CPUs without AMX load: --kernels plain,sgemm)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
@@ -114,7 +122,7 @@ def main() -> None:
         parser.error(f"--modes: unknown {', '.join(sorted(unknown))} (choose from {', '.join(MODES)})")
 
     kernels = args.kernels.split(",")
-    models = {kernel: load(linear=kernel, dtype=args.dtype) for kernel in kernels}
+    models = {kernel: load_kernel(kernel, args.dtype) for kernel in kernels}
     tokenizer = next(iter(models.values()))[1]
     exact = layered_config(default_decode_settings(), explicit={"max_new_tokens": args.max_new_tokens})
     configs = {mode: exact.for_strategy("autoregressive") if mode.startswith("ar")

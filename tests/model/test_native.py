@@ -8,12 +8,12 @@ from torch import nn
 
 import refusion
 from refusion.decode.cache import PADDING, SlotCache, attention_mask_dtype
-from refusion.model import gated_lora, native, row_exact
+from refusion.model import fused, gated_lora, native, row_exact
 from refusion.model.compact import CompactForward, compact_forward
 from refusion.model.setup import setup_of
 from refusion.model.tiny import tiny_model
 
-from .test_compact import FAMILIES, forwards
+from .test_compact import FAMILIES, forwards, new_cache
 from .test_fused import KINDS, gate_adapters, model_with
 
 ATTENTIONS = [row_exact.EXACT_ATTENTION, "sdpa"]
@@ -125,13 +125,48 @@ def test_long_forwards_at_the_embedded_models_head_size(family, dtype, attention
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_packed_products_unfused_and_fused(family):
     if not row_exact.packing_available():
-        pytest.skip("no AMX packing on this CPU")
+        pytest.skip("this CPU's torch packs no bf16 weights")
     model = exact_model(family, seed=2)
     row_exact.use_packed_linears(model)
     for fuse in (True, False):
         compact = native_run(model) if fuse else CompactForward(model, fuse=False)
         assert compact.native is not None
         assert_same(fp64_forwards(model, compact), fp64_forwards(model, python_run(model)))
+
+
+def test_packed_products_padded_and_chunked_as_the_python_layers_do(monkeypatch):
+    """Products at 2..3 rows (narrower ones padded, wider ones chunked) over an MLP of 1536 features (whose
+    one-row products an AVX512-BF16 EPYC rounds its own way): the C++ layers compute what the Python loop does."""
+    if not row_exact.packing_available():
+        pytest.skip("this CPU's torch packs no bf16 weights")
+    rows = row_exact.ExactRows(2, 3)
+    monkeypatch.setattr(fused, "exact_rows", lambda *shape: rows)
+    model = tiny_model("llama", hidden_size=256, dtype=torch.bfloat16, seed=6, intermediate_size=1536,
+                       attn_implementation=row_exact.EXACT_ATTENTION)
+    row_exact.use_packed_linears(model)
+    for layer in model.modules():
+        if isinstance(layer, row_exact.PackedLinear):
+            layer.exact_rows = rows
+    for fuse in (True, False):
+        compact = native_run(model) if fuse else CompactForward(model, fuse=False)
+        assert compact.native is not None
+        assert_same(fp64_forwards(model, compact), fp64_forwards(model, python_run(model)))
+        assert_same(one_token_steps(model, compact), one_token_steps(model, python_run(model)))
+
+
+def one_token_steps(model, run, steps: int = 64) -> list[torch.Tensor]:
+    """Logits of a prompt forward, then of `steps` one-token forwards (one-row products), over fp64 entries."""
+    cache = new_cache(model, row_exact.cache_dtype(model))
+    cache.add_sequence(0)
+    ids, out = torch.tensor([[5, 9, 11, 4, 7]]), []
+    with torch.inference_mode():
+        for step in range(steps):
+            positions = torch.arange(ids.shape[1]).unsqueeze(0) + (0 if step == 0 else 4 + step)
+            mask = cache.begin_forward(torch.zeros_like(ids), positions)
+            out.append(run(ids, positions, mask, cache, 1))
+            cache.end_forward()
+            ids = torch.tensor([[(7 * step + 3) % 60]])
+    return out
 
 
 @pytest.mark.parametrize("gated", [True, False])

@@ -14,34 +14,36 @@ from refusion.model import row_exact as packed
 from refusion.model.row_exact import PackedLinear, use_packed_linears
 from refusion.model.tiny import tiny_model
 
-needs_amx = pytest.mark.skipif(not packed.packing_available(), reason="this CPU has no AMX bf16 packing")
+needs_packing = pytest.mark.skipif(not packed.packing_available(),
+                                   reason="this CPU's torch packs no bf16 weights (no AMX, no AVX512-BF16)")
 
 
 def packed_copy(layer: nn.Linear) -> PackedLinear:
     copy = PackedLinear(layer.in_features, layer.out_features, bias=layer.bias is not None, dtype=layer.weight.dtype)
     copy.load_state_dict(layer.state_dict())
-    copy.exact_rows = packed.MAX_EXACT_ROWS
+    copy.exact_rows = packed.ExactRows(1, packed.MAX_EXACT_ROWS)
     return copy
 
 
-@needs_amx
+@needs_packing
 @pytest.mark.parametrize("bias", [False, True])
 @torch.no_grad()
 def test_packed_product_is_f_linear_and_every_row_comes_out_as_alone(bias):
     torch.manual_seed(0)
     layer = nn.Linear(96, 160, bias=bias, dtype=torch.bfloat16)
     fast = packed_copy(layer)
-    fast.exact_rows = packed.exact_rows(96, 160)
-    assert fast.exact_rows >= packed.MIN_EXACT_ROWS
+    fast.exact_rows = rows = packed.exact_rows(96, 160)
+    assert rows.high >= packed.MIN_EXACT_ROWS
     x = torch.randn(1, 90, 96).to(torch.bfloat16)
     alone = torch.cat([fast(x[:, i:i + 1]) for i in range(90)], dim=1)
-    assert torch.equal(alone[:, :1], layer(x[:, :1]))
-    for width in (1, 2, 3, 8, fast.exact_rows, fast.exact_rows + 1, 90):  # wider than exact_rows: in chunks
+    if rows.low == 1:
+        assert torch.equal(alone[:, :1], layer(x[:, :1]))
+    for width in (1, 2, 3, 8, rows.high, rows.high + 1, 90):  # wider than exact_rows: in chunks
         assert torch.equal(fast(x[:, :width]), alone[:, :width]), width
     torch.testing.assert_close(fast(x), layer(x), rtol=1e-2, atol=1e-2)
 
 
-@needs_amx
+@needs_packing
 def test_the_packed_weight_follows_the_parameter():
     torch.manual_seed(0)
     layer = packed_copy(nn.Linear(64, 64, bias=False, dtype=torch.bfloat16))
@@ -59,13 +61,56 @@ def test_the_packed_weight_follows_the_parameter():
         assert torch.equal(layer(x), nn.functional.linear(x, layer.weight))
 
 
+def test_chunked_products_pad_narrow_products_and_split_wide_ones():
+    """Every product is computed at low..high rows: one row padded with a zero row, nine rows as 4 + 4 + 1, the
+    last chunk padded too; each row comes back where it was."""
+    calls = []
+
+    def product(x, weight, bias):
+        calls.append(x.shape[0])
+        return x @ weight.T
+
+    weight, x = torch.randn(3, 5), torch.randn(9, 5)
+    rows = packed.ExactRows(2, 4)
+    assert torch.equal(packed.chunked_product(x[:1], weight, None, rows, product), x[:1] @ weight.T)
+    assert calls == [2]
+    calls.clear()
+    assert torch.equal(packed.chunked_product(x, weight, None, rows, product), x @ weight.T)
+    assert calls == [4, 4, 2]
+    calls.clear()
+    packed.chunked_product(x[:3], weight, None, packed.ExactRows(1, 4), product)
+    assert calls == [3]
+
+
+@needs_packing
+def test_exact_rows_pads_where_one_row_products_round_their_own_way(monkeypatch):
+    """A CPU whose one-row products round some outputs differently from products of 2+ rows (an AVX512-BF16
+    EPYC did, for 1536 inputs): the probe sees it and asks for 2 rows at least; elsewhere 1."""
+    plain = packed.packed_product
+    assert packed.exact_rows.__wrapped__(96, 160).low == 1  # (this shape on the CPUs measured so far)
+    one_row_calls = []
+
+    def one_row_rounds_its_own_way(x, weight, bias):
+        out = plain(x, weight, bias)
+        if x.shape[0] == 1:
+            one_row_calls.append(1)
+            if len(one_row_calls) % 10 == 3:  # a few rows, one output each
+                out = out.clone()
+                out[0, 0] = out[0, 0] * 2 + 1
+        return out
+
+    monkeypatch.setattr(packed, "packed_product", one_row_rounds_its_own_way)
+    rows = packed.exact_rows.__wrapped__(96, 160)
+    assert rows.low == 2 and rows.high >= packed.MIN_EXACT_ROWS
+
+
 def test_only_bf16_cpu_models_are_packed():
     assert use_packed_linears(tiny_model("llama", hidden_size=64)) == 0  # fp32
     model = tiny_model("llama", hidden_size=64, dtype=torch.bfloat16)
     switched = use_packed_linears(model)
     assert switched == (15 if packed.packing_available() else 0)  # 2 layers x 7 + lm_head
     layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    assert all(type(m) is PackedLinear and m.exact_rows >= packed.MIN_EXACT_ROWS for m in layers) == bool(switched)
+    assert all(type(m) is PackedLinear and m.exact_rows.high >= packed.MIN_EXACT_ROWS for m in layers) == bool(switched)
 
 
 def test_load_picks_dtype_and_attention_that_keep_rows_exact(monkeypatch):
@@ -77,11 +122,23 @@ def test_load_picks_dtype_and_attention_that_keep_rows_exact(monkeypatch):
     monkeypatch.setattr(loading, "packing_available", lambda: False)
     assert loading.default_dtype(cpu) == torch.float32
     monkeypatch.setattr(loading, "packing_available", lambda: True)
+    monkeypatch.setattr(loading, "packed_bf16_pays", lambda: True)
     monkeypatch.setattr(loading, "packed_rows_match", lambda: False)  # packed, but not exact row by row
+    assert loading.default_dtype(cpu) == torch.float32
+    monkeypatch.setattr(loading, "packed_rows_match", lambda: True)
+    assert loading.default_dtype(cpu) == torch.bfloat16
+    monkeypatch.setattr(loading, "packed_bf16_pays", lambda: False)  # exact, but not faster than fp32 (emulated)
     assert loading.default_dtype(cpu) == torch.float32
 
 
-@needs_amx
+def test_bf16_pays_where_packed_products_are_measured_faster(monkeypatch):
+    monkeypatch.setattr(row_exact, "packed_bf16_speedup", lambda: row_exact.MIN_BF16_SPEEDUP)
+    assert row_exact.packed_bf16_pays()
+    monkeypatch.setattr(row_exact, "packed_bf16_speedup", lambda: 1.0)
+    assert not row_exact.packed_bf16_pays()
+
+
+@needs_packing
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_bf16_exact_mode_is_autoregressive_decoding_with_packed_linears(arch):
     """In bf16 with packed linears and exact attention, a forward of k tokens computes each row as k one-token

@@ -20,7 +20,7 @@ import torch
 
 from refusion.model import build_cache, embedded
 from refusion.model.adapter import adapter_base, adapter_gate, is_adapter_dir
-from refusion.model.row_exact import EXACT_ATTENTION, packed_rows_match, packing_available
+from refusion.model.row_exact import EXACT_ATTENTION, packed_bf16_pays, packed_rows_match, packing_available
 from refusion.model.setup import check_linear, prepare
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -59,8 +59,9 @@ def smollm2_gguf_path() -> Path:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on a CUDA GPU that has it (else fp16). On the CPU: bf16 where packed AMX products are available and
-    exact row by row (`refusion.model.row_exact`), else fp32.
+    """bf16 on a CUDA GPU that has it (else fp16). On the CPU: bf16 where oneDNN's packed bf16 products are
+    available (AMX, or AVX512-BF16 without it), exact row by row and measured faster than fp32 ones
+    (`refusion.model.row_exact`), else fp32.
 
     The exact mode commits a drafted token only where the model, verifying k tokens in one forward, predicts
     what AR decoding predicts one token at a time; on the CPU that holds bit for bit in row-exact bf16 (packed
@@ -68,7 +69,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
     (docs/BENCHMARKS.md, Current results: *Row-exact bf16: cost of width*)."""
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if packing_available() and packed_rows_match() else torch.float32
+    return torch.bfloat16 if packing_available() and packed_rows_match() and packed_bf16_pays() else torch.float32
 
 
 def default_attention(device: torch.device, dtype: torch.dtype) -> str:

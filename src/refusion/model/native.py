@@ -44,7 +44,7 @@ from refusion.model.build_cache import OFF_VALUES
 from refusion.model.fused import FusedProduct, base_of
 from refusion.model.gated_lora import MaskGatedLoRA
 from refusion.model.int4 import GROUP, Int4Linear
-from refusion.model.row_exact import EXACT_ATTENTION, PackedLinear
+from refusion.model.row_exact import EXACT_ATTENTION, ExactRows, PackedLinear
 from refusion.model.sgemm import SgemmLinear
 
 SOURCE = Path(__file__).parent / "csrc" / "decoder_layers.cpp"
@@ -182,16 +182,16 @@ class NativeLayers:
         weight, bias = base._parameters["weight"], base._parameters["bias"]
         kind = KINDS[type(base)]
         packed = exact = torch.empty(0)
+        rows = ExactRows(0, 0)
         if kind == KINDS[SgemmLinear]:
-            scales, rows, packed, exact = torch.empty(0), 0, base._packed(), base.exact
+            scales, packed, exact = torch.empty(0), base._packed(), base.exact
         elif kind == KINDS[PackedLinear]:
             weight, scales, rows = base._packed(), torch.empty(0), base.exact_rows
         elif kind == KINDS[Int4Linear]:
             weight, _, scales = base.blocks()
-            rows = 0
         else:
-            scales, rows = torch.empty(0), 0
-        return self.extension.Product(kind, weight, scales, bias, rows, GROUP, [base.out_features],
+            scales = torch.empty(0)
+        return self.extension.Product(kind, weight, scales, bias, rows.high, rows.low, GROUP, [base.out_features],
                                       self._updates([(0, member)] if member is not base else []), packed, exact)
 
     def _fused(self, product: FusedProduct):
@@ -201,7 +201,8 @@ class NativeLayers:
         product.refresh()
         kind = KINDS[PackedLinear] if product.kind == "packed" else KINDS[Int4Linear]
         scales = product.scales if product.scales is not None else torch.empty(0)
-        return self.extension.Product(kind, product.weight, scales, product.bias, product.rows or 0, GROUP,
+        rows = product.rows or ExactRows(0, 0)
+        return self.extension.Product(kind, product.weight, scales, product.bias, rows.high, rows.low, GROUP,
                                       product.splits, self._updates(product.wrapped), torch.empty(0), torch.empty(0))
 
 

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -43,14 +45,39 @@ MAX_EXACT_ROWS = 32
 """`exact_rows` looks for exact products of at most this many rows."""
 MIN_EXACT_ROWS = 8
 """bf16 is the CPU default only where products of at least this many rows are exact (`packed_rows_match`)."""
+MIN_BF16_SPEEDUP = 1.25
+"""bf16 is the CPU default only where packed bf16 products are at least this many times faster than fp32 ones
+(`packed_bf16_speedup`): 2-3x on AMX and AVX512-BF16 CPUs, about 1x or slower where oneDNN emulates bf16."""
+PROBE_SHAPE = (1024, 2048)
+"""[out, in] of the matrices `packed_bf16_speedup` times (8 MB each in fp32)."""
+PROBE_MATRICES = 8
+"""How many such matrices it streams per pass (64 MB in fp32: more than these CPUs' caches)."""
+ALONE_PROBE_ROWS = 128
+"""`exact_rows` compares one-row and two-row products over this many rows (a one-row kernel that rounds a few
+outputs its own way shows on ~9 % of rows of SmolLM2-135M's down projection on an AVX512-BF16 EPYC)..."""
+ALONE_PROBE_BYTES = 2**24
+"""... for weights up to this many bytes (bigger ones over MAX_EXACT_ROWS rows: each row streams the weight)."""
+
+
+@dataclass(frozen=True)
+class ExactRows:
+    """The row counts at which packed bf16 products of one weight shape compute every row as it would be alone
+    (`exact_rows`): `chunked_product` pads narrower products and splits wider ones."""
+
+    low: int = 1
+    """Products of fewer rows are padded with zero rows to this many. 2 where one-row products take a kernel of
+    their own that rounds a few outputs differently from products of 2 rows or more (measured on an AVX512-BF16
+    CPU without AMX), else 1."""
+    high: int = 1
+    """Products of more rows are computed in chunks of at most this many."""
 
 
 class PackedLinear(nn.Linear):
-    """nn.Linear whose bf16 CPU inference forward multiplies by a oneDNN-packed copy of its weight, in chunks of
-    `exact_rows` rows."""
+    """nn.Linear whose bf16 CPU inference forward multiplies by a oneDNN-packed copy of its weight, at the row
+    counts of `exact_rows` (`chunked_product`)."""
 
-    exact_rows: int = 1
-    """Products of at most this many rows compute each row as it would be alone (`exact_rows`)."""
+    exact_rows: ExactRows = ExactRows()
+    """The row counts at which products compute each row as it would be alone (`exact_rows`)."""
 
     packed_weight: torch.Tensor | None = None
     """The oneDNN-packed copy of the weight (`_packed`)."""
@@ -102,13 +129,17 @@ def packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Ten
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
-def chunked_product(flat: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
+def chunked_product(flat: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, rows: ExactRows,
                     product=packed_product) -> torch.Tensor:
-    """flat [M, K] @ W.T (+ bias) by a packed weight, in chunks of at most `rows` rows (a product of up to
-    `exact_rows` rows computes each row as it would be alone)."""
-    if flat.shape[0] <= rows:
+    """flat [M, K] @ W.T (+ bias) by a packed weight at the row counts where each row is computed as it would be
+    alone (`ExactRows`): fewer rows than `rows.low` padded with zero rows, more than `rows.high` in chunks."""
+    n = flat.shape[0]
+    if rows.low <= n <= rows.high:
         return product(flat, packed_weight, bias)
-    return torch.cat([product(chunk, packed_weight, bias) for chunk in flat.split(rows)])
+    if n < rows.low:
+        padded = torch.cat([flat, flat.new_zeros(rows.low - n, flat.shape[1])])
+        return product(padded, packed_weight, bias)[:n]
+    return torch.cat([chunked_product(chunk, packed_weight, bias, rows, product) for chunk in flat.split(rows.high)])
 
 
 @torch.library.custom_op("refusion::packed_product", mutates_args=())
@@ -126,11 +157,10 @@ def _(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -
 
 @functools.cache
 def packing_available() -> bool:
-    """Whether this CPU and torch build multiply packed bf16 weights on AMX tiles (a fact of the machine: asked
-    once)."""
+    """Whether this CPU and torch build multiply bf16 weights packed by oneDNN (on AMX tiles, or with AVX512-BF16
+    instructions where there is no AMX; a fact of the machine: asked once)."""
     try:
-        return bool(torch.backends.mkldnn.is_available() and torch.cpu._is_amx_tile_supported()
-                    and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
                     and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
     except (AttributeError, RuntimeError):
         return False
@@ -138,26 +168,68 @@ def packing_available() -> bool:
 
 @functools.cache
 @torch.no_grad()
-def exact_rows(in_features: int, out_features: int, max_rows: int = MAX_EXACT_ROWS) -> int:
-    """The largest r <= max_rows such that packed bf16 products of 1..r rows give, bit for bit, each row's own
-    one-row product (random weights of this shape, from a generator of its own); 1 when none does. Probed once
-    per shape (choosing the dtype and switching the layers ask for the same shapes)."""
+def packed_bf16_speedup(repeats: int = 5) -> float:
+    """How many times faster a one-token product by packed bf16 weights is than the same product in fp32 on this
+    CPU (measured once per process: the fastest of `repeats` passes each, taken in turns, over PROBE_MATRICES
+    matrices too big together for the caches, as a decoding forward streams its weights). oneDNN reports bf16
+    support on every AVX512 CPU, emulating it where the instructions are missing; this measures whether it pays."""
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.empty(PROBE_SHAPE).uniform_(-1, 1, generator=generator) for _ in range(PROBE_MATRICES)]
+    packed = [reorder_weight(w.to(torch.bfloat16)) for w in weights]
+    x = torch.empty(1, PROBE_SHAPE[1]).uniform_(-1, 1, generator=generator)
+    x16 = x.to(torch.bfloat16)
+
+    def fp32_pass() -> float:
+        start = time.perf_counter()
+        for weight in weights:
+            F.linear(x, weight)
+        return time.perf_counter() - start
+
+    def bf16_pass() -> float:
+        start = time.perf_counter()
+        for weight in packed:
+            packed_product(x16, weight, None)
+        return time.perf_counter() - start
+
+    fp32_pass(), bf16_pass()  # warm-up: the first calls choose their kernels
+    fp32, bf16 = zip(*[(fp32_pass(), bf16_pass()) for _ in range(repeats)])
+    return min(fp32) / min(bf16)
+
+
+def packed_bf16_pays() -> bool:
+    """Whether packed bf16 products are at least MIN_BF16_SPEEDUP times faster than fp32 here."""
+    return packed_bf16_speedup() >= MIN_BF16_SPEEDUP
+
+
+@functools.cache
+@torch.no_grad()
+def exact_rows(in_features: int, out_features: int, max_rows: int = MAX_EXACT_ROWS) -> ExactRows:
+    """Where packed bf16 products of this weight shape compute every row as it would be alone (random weights
+    of this shape, from a generator of its own; probed once per shape: choosing the dtype and switching the
+    layers ask for the same shapes). `low`: 1 where one-row products equal two-row products of the same rows
+    (over ALONE_PROBE_ROWS rows), else 2. `high`: the largest r <= max_rows such that products of low..r rows
+    give each row's product at `low` rows bit for bit (`low` when none does); 1 when a one-row packed product
+    differs from `F.linear`'s."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
     packed_weight = reorder_weight(weight)
-    x = torch.randn(max_rows, in_features, generator=generator).to(torch.bfloat16)
-    alone = torch.cat([packed_product(x[i:i + 1], packed_weight, None) for i in range(max_rows)])
+    count = ALONE_PROBE_ROWS if weight.numel() * weight.element_size() <= ALONE_PROBE_BYTES else max_rows
+    count += count % 2  # compared in pairs
+    x = torch.randn(max(count, max_rows), in_features, generator=generator).to(torch.bfloat16)
+    alone = torch.cat([packed_product(x[i:i + 1], packed_weight, None) for i in range(count)])
     if not torch.equal(alone[:1], F.linear(x[:1], weight)):
-        return 1
-    for rows in range(2, max_rows + 1):
-        if not torch.equal(packed_product(x[:rows], packed_weight, None), alone[:rows]):
-            return rows - 1
-    return max_rows
+        return ExactRows(1, 1)
+    pairs = torch.cat([packed_product(x[i:i + 2], packed_weight, None) for i in range(0, count, 2)])
+    low, reference = (1, alone) if torch.equal(pairs, alone) else (2, pairs)
+    for rows in range(low + 1, max_rows + 1):
+        if not torch.equal(packed_product(x[:rows], packed_weight, None), reference[:rows]):
+            return ExactRows(low, rows - 1)
+    return ExactRows(low, max_rows)
 
 
 def packed_rows_match() -> bool:
     """Whether packed products of at least MIN_EXACT_ROWS rows are exact row by row here (a typical shape)."""
-    return exact_rows(576, 1536) >= MIN_EXACT_ROWS
+    return exact_rows(576, 1536).high >= MIN_EXACT_ROWS
 
 
 def use_packed_linears(model: nn.Module) -> int:

@@ -19,9 +19,10 @@ def tiny_model(arch: str = "qwen3", *, vocab_size: int = TINY_VOCAB, hidden_size
     are passed to the config (e.g. ``sliding_window=4``).
     """
     model_type = {"qwen3": "qwen3", "llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}[arch]
-    extra = {"head_dim": hidden_size // heads} if model_type == "qwen3" else {}
+    extra = {"intermediate_size": 2 * hidden_size} | ({"head_dim": hidden_size // heads} if model_type == "qwen3"
+                                                        else {})
     config = AutoConfig.for_model(
-        model_type, vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        model_type, vocab_size=vocab_size, hidden_size=hidden_size,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         max_position_embeddings=max_positions, tie_word_embeddings=False, eos_token_id=TINY_EOS_ID,
         bos_token_id=1, pad_token_id=0, **(extra | config_overrides),

@@ -45,7 +45,8 @@ struct Product {
   Tensor weight;                // plain weight, packed weight or 4-bit blocks
   Tensor scales;                // int4: the blocks' scales and zeros
   c10::optional<Tensor> bias;
-  int64_t rows;                 // packed: rows per exact chunk
+  int64_t rows;                 // packed: rows per exact chunk (row_exact.ExactRows.high)
+  int64_t low_rows;             // packed: narrower products padded with zero rows to this many (ExactRows.low)
   int64_t group;                // int4: weights per block
   std::vector<int64_t> splits;  // the members' output features
   std::vector<Update> updates;
@@ -90,6 +91,19 @@ Tensor packed_product(const Tensor& x, const Tensor& weight, const c10::optional
                        .typed<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&, c10::string_view,
                                      c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
   return op.call(x, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
+}
+
+// row_exact.chunked_product: products of low_rows..rows rows, narrower ones padded with zero rows, wider in chunks
+Tensor chunked_product(const Tensor& flat, const Product& p) {
+  int64_t n = flat.size(0);
+  if (n >= p.low_rows && n <= p.rows) return packed_product(flat, p.weight, p.bias);
+  if (n < p.low_rows) {
+    Tensor padded = at::cat({flat, flat.new_zeros({p.low_rows - n, flat.size(1)})});
+    return packed_product(padded, p.weight, p.bias).narrow(0, 0, n);
+  }
+  std::vector<Tensor> chunks;
+  for (const Tensor& chunk : flat.split(p.rows)) chunks.push_back(chunked_product(chunk, p));
+  return at::cat(chunks);
 }
 
 // sgemm.SgemmLinear._packed_product
@@ -288,13 +302,7 @@ std::vector<Tensor> product(const Product& p, const Tensor& x, const MaskRows& m
   } else {
     Tensor flat = x.reshape({-1, x.size(-1)});
     if (p.kind == kPacked) {
-      if (flat.size(0) <= p.rows) {
-        out = packed_product(flat, p.weight, p.bias);
-      } else {
-        std::vector<Tensor> chunks;
-        for (const Tensor& chunk : flat.split(p.rows)) chunks.push_back(packed_product(chunk, p.weight, p.bias));
-        out = at::cat(chunks);
-      }
+      out = chunked_product(flat, p);
     } else {
       out = at::_weight_int4pack_mm_for_cpu(flat.contiguous(), p.weight, p.group, p.scales);
       if (p.bias) out = out + *p.bias;
@@ -785,7 +793,7 @@ class Stack {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Update>(m, "Update").def(py::init<int64_t, Tensor, Tensor>());
   py::class_<Product>(m, "Product")
-      .def(py::init<int64_t, Tensor, Tensor, c10::optional<Tensor>, int64_t, int64_t, std::vector<int64_t>,
+      .def(py::init<int64_t, Tensor, Tensor, c10::optional<Tensor>, int64_t, int64_t, int64_t, std::vector<int64_t>,
                     std::vector<Update>, Tensor, Tensor>());
   py::class_<Norm>(m, "Norm").def(py::init<Tensor, double>());
   py::class_<Layer>(m, "Layer")
