@@ -80,18 +80,19 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="HF directory, .gguf file, hub id, or 'smollm2' (default: the embedded model)")
     parser.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 on a GPU that has "
-                                                      "it and on an AMX CPU, where rows are computed exactly; "
+                                                      "it and on a CPU with native bf16 (AMX, AVX512-BF16) "
+                                                      "measured faster, where rows are computed exactly; "
                                                       "else fp32 on the CPU)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     parser.add_argument("--linear", default="auto", choices=LINEAR_KERNELS,
                         help="linear kernel: auto (chosen by measurement on this machine) or pinned: plain, packed "
-                             "(bf16 on an AMX CPU, row-exact), narrow (weight-major few-token products), sgemm "
+                             "(bf16 on a CPU with native bf16, row-exact), narrow (weight-major few-token products), sgemm "
                              "(fp32 weights packed once for MKL, F.linear's bits), int4 "
                              "(a GGUF model's 4-bit blocks multiplied directly, bf16 CPU: faster, rounds "
                              "differently from bf16 weights)")
     parser.add_argument("--attention", default=None, metavar="IMPL",
                         help="attention implementation: sdpa, eager or refusion_exact (default: refusion_exact for "
-                             "bf16 on an AMX CPU, else sdpa)")
+                             "bf16 on a CPU with native bf16, else sdpa)")
     parser.add_argument("--compile", action="store_true",
                         help="decode through torch.compile over fixed shapes (CUDA graphs on a GPU); the first "
                              "forwards of each width compile (seconds to a minute)")

@@ -14,7 +14,7 @@ from refusion.model.tiny import TINY_MASK_ID, tiny_model
 from .test_compact import forwards, transformers_run
 
 KINDS = [pytest.param("packed", marks=pytest.mark.skipif(not row_exact.packing_available(),
-                                                         reason="no AMX packing on this CPU")),
+                                                         reason="no bf16 packing on this CPU")),
          pytest.param("int4", marks=pytest.mark.skipif(not int4.int4_available(), reason="no int4 CPU kernel"))]
 
 

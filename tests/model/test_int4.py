@@ -136,7 +136,7 @@ def test_prepare_int4_decodes_the_exact_mode_as_autoregressive_decoding(tmp_path
     setup = prepare(model, weights_file=path, linear="int4")
     assert setup.kernels.linear == "int4" and "14 of 15" in setup.kernels.reason
     assert sum(type(m) is Int4Linear for m in model.modules()) == 14
-    assert setup.row_exact == row_exact.packing_available()  # the LM head is packed only where AMX has it
+    assert setup.row_exact == row_exact.packing_available()  # the LM head is packed only where the CPU has native bf16
     prompts = [[1, 5, 7, 9], [1, 3, 4, 5, 6, 7, 8, 10, 11], [9, 12, 13]]
     ar = refusion.DecodeConfig(max_new_tokens=24, strategy="autoregressive", eos_token_id=2)
     alone = [refusion.generate(model, [p], ar).sequences[0] for p in prompts]

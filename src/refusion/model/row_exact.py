@@ -1,4 +1,5 @@
-"""Row-exact bf16 forwards on CPUs with AMX: every row of a forward computed as it would be alone.
+"""Row-exact bf16 forwards on CPUs with native bf16 (AMX, AVX512-BF16): every row of a forward computed as it
+would be alone.
 
 The exact mode verifies k drafted tokens in one forward and commits the tokens AR decoding would have chosen
 one token at a time. That holds bit for bit only if a row of a k-token forward gets the same numbers as the
@@ -6,14 +7,16 @@ same row in a one-token forward. On the CPU, fp32 products and torch's fused att
 by the number of rows (rarely enough to flip a greedy token in fp32, often in bf16). This module makes bf16
 forwards row-exact, and fast:
 
-* `PackedLinear`. A bf16 `F.linear` on the CPU goes through oneDNN, which reorders the weight into its AMX tile
-  layout on every call; for the few rows of a decoding forward that reordering is most of the cost.
+* `PackedLinear`. A bf16 `F.linear` on the CPU goes through oneDNN, which reorders the weight into its blocked
+  layout (AMX tiles, AVX512-BF16 registers) on every call; for the few rows of a decoding forward that reordering is most of the cost.
   `PackedLinear` reorders the weight once (`torch.ops.mkldnn._reorder_linear_weight`, the layout torch's own
   compiler freezes into CPU graphs). On a 2-core AMX Xeon the 210 matrices of SmolLM2-135M's layers cost
   13.5 ms per forward packed against 19.5 ms plain, for 1, 4 or 8 rows alike. Up to some number of rows (32
   there; `exact_rows` finds it for each weight shape) each output row depends on its own input row only, bit
   for bit; wider products switch to kernels that round differently, so they are computed in chunks of that
-  many rows (a prefill of 100 tokens: 0.33 against 0.18 ms per matrix; decoding forwards are narrower).
+  many rows (a prefill of 100 tokens: 0.33 against 0.18 ms per matrix; decoding forwards are narrower). Where
+  one-row products take a kernel of their own (an AVX512-BF16 EPYC's, for 1536 inputs), they are padded to two
+  rows (`ExactRows`).
 * `exact_attention` (attention implementation "refusion_exact"). bf16 attention products are not exact row by
   row either, not even in the eager implementation (a query row of a 5-row product over 180 keys differed
   from the same row alone). Here both products take their bf16 operands in fp64: a product of two bf16 numbers

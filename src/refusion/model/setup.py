@@ -53,10 +53,10 @@ class Kernels:
     """The kernels a model's forward runs, and why they were chosen."""
 
     linear: str
-    """"plain" (nn.Linear), "packed" (bf16 weights packed once for AMX, row-exact: `model.row_exact`), "narrow"
+    """"plain" (nn.Linear), "packed" (bf16 weights packed once by oneDNN, row-exact: `model.row_exact`), "narrow"
     (weight-major products in few-token forwards: `model.narrow`), "sgemm" (fp32 weights packed once for MKL,
     F.linear's bits: `model.sgemm`) or "int4" (products by the GGUF file's 4-bit blocks where it ships them, the
-    other layers packed where AMX has it: `model.int4`)."""
+    other layers packed where the CPU has native bf16: `model.int4`)."""
 
     attention: str
     """The attention implementation the model runs ("sdpa", "eager", "refusion_exact", ...)."""
@@ -155,7 +155,7 @@ def prepare(model, tokenizer=None, *, directory: str | Path | None = None, linea
         model: a transformers causal LM, on the device and in the dtype it will decode in.
         tokenizer: its tokenizer (EOS and mask tokens are also read from it); None: the configs only.
         directory: where the model's files are; a `draft_table.safetensors` there becomes the setup's table.
-        linear: "auto" (packed bf16 products on an AMX CPU, else weight-major few-token products where the
+        linear: "auto" (packed bf16 products on a CPU with native bf16 (AMX, AVX512-BF16), else weight-major few-token products where the
             probe measures them faster, else packed fp32 ones where MKL has them and they measure faster, else
             plain), or "plain" / "packed" / "narrow" / "sgemm" to pin the choice, or "int4"
             to multiply by the 4-bit blocks of `weights_file` (bf16 on the CPU; other numbers than bf16 weights).
@@ -204,10 +204,10 @@ def choose_linear_kernel(model, linear: str, weights_file: str | Path | None = N
     if linear in ("auto", "packed"):
         if use_packed_linears(model):
             return "packed", ("pinned by the caller" if linear == "packed" else
-                              "bf16 on a CPU with AMX: weights packed once, products row-exact")
+                              "bf16 on a CPU with native bf16: weights packed once, products row-exact")
         if linear == "packed":
-            raise ValueError("linear='packed' needs bf16 weights on a CPU whose torch packs them for AMX "
-                             "(this model or this machine has neither); use 'auto', 'plain' or 'narrow'")
+            raise ValueError("linear='packed' needs bf16 weights on a CPU whose torch packs them (AMX or "
+                             "AVX512-BF16; this model or this machine has neither); use 'auto', 'plain' or 'narrow'")
     if linear == "sgemm":
         if use_sgemm_linears(model, force=True):
             return "sgemm", "pinned by the caller"
