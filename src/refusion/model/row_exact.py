@@ -50,7 +50,7 @@ MIN_EXACT_ROWS = 8
 """bf16 is the CPU default only where products of at least this many rows are exact (`packed_rows_match`)."""
 MIN_BF16_SPEEDUP = 1.25
 """bf16 is the CPU default only where packed bf16 products are at least this many times faster than fp32 ones
-(`packed_bf16_speedup`): 2-3x on AMX and AVX512-BF16 CPUs, about 1x or slower where oneDNN emulates bf16."""
+(`packed_bf16_speedup`; 2.4-2.7x measured on an AVX512-BF16 EPYC)."""
 PROBE_SHAPE = (1024, 2048)
 """[out, in] of the matrices `packed_bf16_speedup` times (8 MB each in fp32)."""
 PROBE_MATRICES = 8
@@ -160,10 +160,12 @@ def _(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -
 
 @functools.cache
 def packing_available() -> bool:
-    """Whether this CPU and torch build multiply bf16 weights packed by oneDNN (on AMX tiles, or with AVX512-BF16
-    instructions where there is no AMX; a fact of the machine: asked once)."""
+    """Whether this CPU and torch build multiply bf16 weights packed by oneDNN with native bf16 instructions (AMX
+    tiles, or AVX512-BF16 where there is no AMX; oneDNN emulates bf16 on other AVX512 CPUs, which this leaves
+    out; a fact of the machine: asked once)."""
     try:
         return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+                    and (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
                     and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
     except (AttributeError, RuntimeError):
         return False
@@ -174,8 +176,8 @@ def packing_available() -> bool:
 def packed_bf16_speedup(repeats: int = 5) -> float:
     """How many times faster a one-token product by packed bf16 weights is than the same product in fp32 on this
     CPU (measured once per process: the fastest of `repeats` passes each, taken in turns, over PROBE_MATRICES
-    matrices too big together for the caches, as a decoding forward streams its weights). oneDNN reports bf16
-    support on every AVX512 CPU, emulating it where the instructions are missing; this measures whether it pays."""
+    matrices too big together for the caches, as a decoding forward streams its weights): whether native bf16
+    pays on this machine's memory and cores."""
     generator = torch.Generator().manual_seed(0)
     weights = [torch.empty(PROBE_SHAPE).uniform_(-1, 1, generator=generator) for _ in range(PROBE_MATRICES)]
     packed = [reorder_weight(w.to(torch.bfloat16)) for w in weights]
