@@ -3,8 +3,8 @@
 For every prompt, every mode decodes it back to back (so machine noise hits all modes alike): AR decoding
 (the baseline), the exact speculative mode (single draft chain and pre-drafts), and the paper's plan and
 infill with and without fused planning. Reported per mode: tokens, forwards, tokens per forward, tokens/s,
-speed ratio to AR, forwards per phase, how many outputs equal AR decoding's, draft acceptance. Ends with
-one JSON line.
+speed ratio to AR, forwards per phase, how many outputs equal AR decoding's, draft acceptance; "preset" is the
+preset's own mode as `refusion generate` decodes it. Ends with one JSON line.
 
     python benchmarks/decode_modes.py [--model PATH|random] [--task gsm8k] [--prompts 30] [--skip 0]
                                       [--max-new-tokens 256] [--preset NAME] [--tables FILE ...]
@@ -43,6 +43,7 @@ def modes(base: DecodeConfig, draft_lengths: list[int], draft_thresholds: list[f
         out[name + "_predraft"] = cfg.replace(predraft=True)
     out["refusion_fused"] = base.replace(strategy="refusion", fused_plan=True)
     out["refusion_unfused"] = base.replace(strategy="refusion", fused_plan=False)
+    out["preset"] = base  # the preset's own mode and settings, as `refusion generate` decodes
     return out
 
 
