@@ -1,17 +1,18 @@
 """The embedded model's linear kernels side by side, and llama.cpp on the same GGUF file, in one run, batch 1.
 
-For every prompt, back to back (so machine noise hits every engine alike): refusion's AR decoding and exact
-mode (the embedded model's preset; "exact_every_draft" the same without the cost-aware cut of its drafts,
+For every prompt, back to back (so machine noise hits every engine alike): refusion's AR decoding and exact mode
+(the embedded model's preset; "exact_every_draft" the same without the cost-aware cut of its drafts,
 `decode.costs`; "ar_transformers" and "exact_transformers" through transformers' forward instead of
 `model.compact`; "ar_unfused" and "exact_unfused" without its fused products, `model.fused`; "ar_python" and
-"exact_python" with its layer loop in Python instead of C++, `model.native`; "plan_and_infill" at the preset's
-slot settings; `--modes` chooses) with each linear kernel (`--kernels`, default the auto choice and "int4", the
-GGUF's 4-bit blocks; `--dtype float32 --kernels plain,sgemm` for what CPUs without fast bf16 load; a kernel's own
-dtype as KERNEL:DTYPE, e.g. `--kernels auto:float32,auto`), then llama.cpp's plain greedy decoding of the base GGUF
-(`--llama-cpp DIR` holding a `llama-completion` binary; skipped without it). Reported per engine and prompt group: tokens, seconds, tokens/s
-(refusion: prefill included; llama.cpp: prompt evaluation included, and decode alone), the ratio to the first
-kernel's AR decoding, how many outputs equal that kernel's AR decoding (the exact mode's promise) and how many
-equal the first kernel's in the same mode (what switching kernels changes). Ends with one JSON line.
+"exact_python" with its layer loop in Python instead of C++, `model.native`; "plan_and_infill" at the preset's slot
+settings; `--modes` chooses) with each linear kernel (`--kernels`, default the auto choice and "int4", the GGUF's
+4-bit blocks; `--dtype float32 --kernels plain,sgemm` for what CPUs without native bf16 load; a kernel's own dtype
+as KERNEL:DTYPE, e.g. `--kernels auto:float32,auto`), then llama.cpp's plain greedy decoding of the base GGUF
+(`--llama-cpp DIR` holding a `llama-completion` binary; skipped without it). Reported per engine and prompt group:
+tokens, seconds, tokens/s (refusion: prefill included; llama.cpp: prompt evaluation included, and decode alone),
+the ratio to the first kernel's AR decoding, how many outputs equal that kernel's AR decoding (the exact mode's
+promise) and how many equal the first kernel's in the same mode (what switching kernels changes). Ends with one
+JSON line.
 
 The prompts are none of the tuning prompts named in docs/BENCHMARKS.md ("Prompts"): GSM8K test from example 401,
 ARC-Challenge test from 301, MBPP test ids from 311 (`PROMPT_GROUPS`), and the held-out part of the open-ended set
@@ -112,7 +113,7 @@ def main() -> None:
     parser.add_argument("--kernels", default="auto,int4", help="comma-separated linear kernels (refusion.load), "
                                                                  "each KERNEL or KERNEL:DTYPE (auto:float32)")
     parser.add_argument("--dtype", default=None, help="the models' dtype (default: refusion.load's choice; float32 "
-                                                      "is what CPUs without AMX load: --kernels plain,sgemm)")
+                                                      "is what CPUs without native bf16 load: --kernels plain,sgemm)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--llama-cpp", default=None, metavar="DIR", help="a llama.cpp build's bin directory")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="llama.cpp's threads")

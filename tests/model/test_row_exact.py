@@ -1,6 +1,6 @@
-"""Row-exact bf16 forwards (CPUs with native bf16): packed linears that are F.linear bit for bit with rows independent of
-their count, the packed copy following the parameter, attention independent of the other rows and of the
-keys' order, and the exact mode equal to AR decoding in bf16 with them."""
+"""Row-exact bf16 forwards (CPUs with native bf16): packed linears that are F.linear bit for bit with rows
+independent of their count, the packed copy following the parameter, attention independent of the other rows and of
+the keys' order, and the exact mode equal to AR decoding in bf16 with them."""
 
 from __future__ import annotations
 

@@ -143,9 +143,8 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
             each width's first forward compiles. Off by default (docs/DECODING.md, "Compiled forwards").
 
     The loaded model is prepared (`refusion.model.setup.prepare`): on a CPU with native bf16 (AMX, AVX512-BF16),
-    bf16 linear layers multiply by
-    weights packed once (`refusion.model.row_exact`); elsewhere on a CPU where it is faster, they multiply
-    weight-major in few-token forwards (`refusion.model.narrow`); the special tokens are resolved once and a
+    bf16 linear layers multiply by weights packed once (`refusion.model.row_exact`); elsewhere on a CPU where it
+    is faster, they multiply weight-major in few-token forwards (`refusion.model.narrow`); the special tokens are resolved once and a
     shipped draft table is read; `refusion.setup_of(model)` returns all of it. GGUF and adapter sources are built
     once and then read from the disk cache (`build_cache.py`).
     """

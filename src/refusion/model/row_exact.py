@@ -8,7 +8,8 @@ by the number of rows (rarely enough to flip a greedy token in fp32, often in bf
 forwards row-exact, and fast:
 
 * `PackedLinear`. A bf16 `F.linear` on the CPU goes through oneDNN, which reorders the weight into its blocked
-  layout (AMX tiles, AVX512-BF16 registers) on every call; for the few rows of a decoding forward that reordering is most of the cost.
+  layout (AMX tiles, AVX512-BF16 registers) on every call; for the few rows of a decoding forward that
+  reordering is most of the cost.
   `PackedLinear` reorders the weight once (`torch.ops.mkldnn._reorder_linear_weight`, the layout torch's own
   compiler freezes into CPU graphs). On a 2-core AMX Xeon the 210 matrices of SmolLM2-135M's layers cost
   13.5 ms per forward packed against 19.5 ms plain, for 1, 4 or 8 rows alike. Up to some number of rows (32
@@ -56,10 +57,11 @@ PROBE_SHAPE = (1024, 2048)
 PROBE_MATRICES = 8
 """How many such matrices it streams per pass (64 MB in fp32: more than these CPUs' caches)."""
 ALONE_PROBE_ROWS = 128
-"""`exact_rows` compares one-row and two-row products over this many rows (a one-row kernel that rounds a few
-outputs its own way shows on ~9 % of rows of SmolLM2-135M's down projection on an AVX512-BF16 EPYC)..."""
+"""`exact_rows` compares one-row and two-row products over this many rows of weights up to ALONE_PROBE_BYTES (a
+one-row kernel that rounds a few outputs its own way shows on ~9 % of rows of SmolLM2-135M's down projection on
+an AVX512-BF16 EPYC)."""
 ALONE_PROBE_BYTES = 2**24
-"""... for weights up to this many bytes (bigger ones over MAX_EXACT_ROWS rows: each row streams the weight)."""
+"""Bigger weights are compared over MAX_EXACT_ROWS rows (each one-row product streams the whole weight)."""
 
 
 @dataclass(frozen=True)
@@ -218,9 +220,10 @@ def exact_rows(in_features: int, out_features: int, max_rows: int = MAX_EXACT_RO
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
     packed_weight = reorder_weight(weight)
-    count = ALONE_PROBE_ROWS if weight.numel() * weight.element_size() <= ALONE_PROBE_BYTES else max_rows
+    small = weight.numel() * weight.element_size() <= ALONE_PROBE_BYTES
+    count = max(ALONE_PROBE_ROWS if small else 0, max_rows)
     count += count % 2  # compared in pairs
-    x = torch.randn(max(count, max_rows), in_features, generator=generator).to(torch.bfloat16)
+    x = torch.randn(count, in_features, generator=generator).to(torch.bfloat16)
     alone = torch.cat([packed_product(x[i:i + 1], packed_weight, None) for i in range(count)])
     if not torch.equal(alone[:1], F.linear(x[:1], weight)):
         return ExactRows(1, 1)
