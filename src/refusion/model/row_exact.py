@@ -186,21 +186,28 @@ def packed_bf16_speedup(repeats: int = 5) -> float:
     x = torch.empty(1, PROBE_SHAPE[1]).uniform_(-1, 1, generator=generator)
     x16 = x.to(torch.bfloat16)
 
-    def fp32_pass() -> float:
-        start = time.perf_counter()
+    def fp32_pass() -> None:
         for weight in weights:
             F.linear(x, weight)
-        return time.perf_counter() - start
 
-    def bf16_pass() -> float:
-        start = time.perf_counter()
+    def bf16_pass() -> None:
         for weight in packed:
             packed_product(x16, weight, None)
+
+    return speedup(fp32_pass, bf16_pass, repeats)
+
+
+def speedup(baseline, candidate, repeats: int) -> float:
+    """Seconds of `baseline()` over seconds of `candidate()`: each called once untimed (first calls choose their
+    kernels), then both in turns `repeats` times, the fastest call of each counting (the kernel probes' timing)."""
+    def seconds(run) -> float:
+        start = time.perf_counter()
+        run()
         return time.perf_counter() - start
 
-    fp32_pass(), bf16_pass()  # warm-up: the first calls choose their kernels
-    fp32, bf16 = zip(*[(fp32_pass(), bf16_pass()) for _ in range(repeats)])
-    return min(fp32) / min(bf16)
+    baseline(), candidate()
+    times = [(seconds(baseline), seconds(candidate)) for _ in range(repeats)]
+    return min(t for t, _ in times) / max(min(t for _, t in times), 1e-9)
 
 
 def packed_bf16_pays() -> bool:

@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from refusion.model.row_exact import MAX_PACKED_BYTES, packed_copy
+from refusion.model.row_exact import MAX_PACKED_BYTES, packed_copy, speedup
 
 MAX_ROWS = 256
 """Products of more rows than this (a long prefill) always take F.linear."""
@@ -129,21 +128,15 @@ def packed_speedup(layers: list[nn.Linear], rows: int = SPEED_ROWS, repeats: int
     x = {layer.in_features: torch.randn(rows, layer.in_features, generator=generator) for layer in one_each}
     packed = [pack(layer.weight.detach()) for layer in one_each]
 
-    def seconds(packed_product: bool) -> float:
-        start = time.perf_counter()
-        for layer, w in zip(one_each, packed):
-            if packed_product:
-                torch.ops.mkl._mkl_linear(x[layer.in_features], w, layer.weight, layer.bias, rows)
-            else:
-                F.linear(x[layer.in_features], layer.weight, layer.bias)
-        return time.perf_counter() - start
+    def plain_pass() -> None:
+        for layer in one_each:
+            F.linear(x[layer.in_features], layer.weight, layer.bias)
 
-    seconds(False), seconds(True)  # first use: kernels choose their code
-    plain, packed_times = [], []
-    for _ in range(repeats):
-        plain.append(seconds(False))
-        packed_times.append(seconds(True))
-    return min(plain) / max(min(packed_times), 1e-9)
+    def packed_pass() -> None:
+        for layer, w in zip(one_each, packed):
+            torch.ops.mkl._mkl_linear(x[layer.in_features], w, layer.weight, layer.bias, rows)
+
+    return speedup(plain_pass, packed_pass, repeats)
 
 
 def use_sgemm_linears(model: nn.Module, force: bool | None = None) -> int:
