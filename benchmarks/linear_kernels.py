@@ -123,7 +123,10 @@ def main() -> None:
         parser.error(f"--modes: unknown {', '.join(sorted(unknown))} (choose from {', '.join(MODES)})")
 
     kernels = args.kernels.split(",")
-    models = {kernel: load_kernel(kernel, args.dtype) for kernel in kernels}
+    try:
+        models = {kernel: load_kernel(kernel, args.dtype) for kernel in kernels}
+    except ValueError as e:  # an unknown kernel or dtype: a usage error, not a traceback
+        parser.error(f"--kernels / --dtype: {e}")
     tokenizer = next(iter(models.values()))[1]
     exact = layered_config(default_decode_settings(), explicit={"max_new_tokens": args.max_new_tokens})
     configs = {mode: exact.for_strategy("autoregressive") if mode.startswith("ar")
