@@ -120,7 +120,7 @@ def main() -> None:
 
     # what `refusion.prepare` measures: the cost of each forward width (cost-aware fused planning); the
     # "always fused" mode decodes without it, as a model refusion did not prepare does
-    costs = measure(model)
+    costs = measure(model, plain_setup(model))
     with_costs, without_costs = plain_setup(model).replace(forward_costs=costs), plain_setup(model)
     transformers_forward = with_costs.replace(compact=False)  # the engine before model/compact.py
     print("forward costs:", costs.describe() if costs else None)

@@ -2,7 +2,8 @@
 
 For every prompt, back to back (so machine noise hits every engine alike): refusion's AR decoding and exact mode
 (the embedded model's preset; "exact_every_draft" the same without the cost-aware cut of its drafts,
-`decode.costs`; "ar_transformers" and "exact_transformers" through transformers' forward instead of
+`decode.costs`; "exact_costs_without_context" with the cut priced by forwards over no context through
+transformers' forward, as the probe measured them before 2026-11-27; "ar_transformers" and "exact_transformers" through transformers' forward instead of
 `model.compact`; "ar_unfused" and "exact_unfused" without its fused products, `model.fused`; "ar_python" and
 "exact_python" with its layer loop in Python instead of C++, `model.native`; "plan_and_infill" at the preset's slot
 settings; `--modes` chooses) with each linear kernel (`--kernels`, default the auto choice and "int4", the GGUF's
@@ -45,6 +46,7 @@ from pathlib import Path
 import torch
 
 from refusion.config import layered_config
+from refusion.decode.costs import measure
 from refusion.decode.loop import generate
 from refusion.eval.tasks import load_examples
 from refusion.model.compact import CompactForward
@@ -57,6 +59,8 @@ MODES = {
     "ar": lambda setup, model: setup,
     "exact": lambda setup, model: setup,
     "exact_every_draft": lambda setup, model: setup.replace(forward_costs=None),  # no cost-aware cut of the drafts
+    "exact_costs_without_context": lambda setup, model: setup.replace(  # the cut priced as before 2026-11-27
+        forward_costs=measure(model, setup.replace(compact=False), context=0)),
     "ar_transformers": lambda setup, model: setup.replace(compact=False),  # transformers' forward, not CompactForward
     "exact_transformers": lambda setup, model: setup.replace(compact=False),
     "ar_unfused": lambda setup, model: setup.replace(compact_forward=CompactForward(model, fuse=False)),

@@ -13,6 +13,7 @@ from refusion.decode.costs import (
     fusing_pays,
     measure,
 )
+from refusion.decode.forward import CachedForward
 from refusion.model.setup import plain_setup, prepare
 from refusion.model.tiny import tiny_model
 
@@ -55,37 +56,27 @@ def test_the_best_draft_count_maximizes_expected_tokens_per_second():
 
 def test_measured_costs_are_one_per_probed_width_and_never_fall_with_width():
     model = tiny_model("llama")
-    costs = measure(model, widths=(1, 4, 16), repeats=2)
+    costs = measure(model, plain_setup(model), widths=(1, 4, 16), repeats=2)
     assert costs.widths == (1, 4, 16) and len(costs.seconds) == 3
     assert all(a <= b for a, b in zip(costs.seconds, costs.seconds[1:])) and costs.seconds[0] > 0
     assert prepare(tiny_model("llama")).forward_costs is not None  # prepare measures them
 
 
-class _Clocked(torch.nn.Module):
-    """A model whose forward takes a fixed time per row, except the forwards of `slow_width` whose index (counted
-    per width) is in `slow_calls`, which another process slowed."""
-
-    def __init__(self, slow_width: int, slow_calls: set[int]):
-        super().__init__()
-        self.embed = torch.nn.Embedding(8, 2)
-        self.slow_width, self.slow_calls, self.calls = slow_width, slow_calls, {}
-        self.now = 0.0
-
-    def get_input_embeddings(self):
-        return self.embed
-
-    def forward(self, input_ids, position_ids, use_cache):
-        width = input_ids.shape[1]
-        index = self.calls[width] = self.calls.get(width, -1) + 1
-        self.now += 0.010 + 0.001 * width + (0.050 if width == self.slow_width and index in self.slow_calls else 0)
-
-
 def test_a_forward_the_machine_slowed_does_not_price_the_width(monkeypatch):
     """The probe keeps each width's fastest forward: one slowed forward (another process, the OS) among the timed
     ones leaves the costs as the kernels make them (with a median of two it doubled the price of 16 rows)."""
-    model = _Clocked(slow_width=16, slow_calls={2})  # call 0 is the untimed round, calls 1-3 are timed
-    monkeypatch.setattr("refusion.decode.costs.time.perf_counter", lambda: model.now)
-    costs = measure(model, widths=(1, 4, 16))
+    clock, calls, forward = [0.0], {}, CachedForward.__call__
+
+    def clocked(self, cache, input_ids, *args):  # a fixed time per row, except the second timed forward of 16 rows
+        width = input_ids.shape[1]
+        index = calls[width] = calls.get(width, -1) + 1
+        clock[0] += 0.010 + 0.001 * width + (0.050 if width == 16 and index == 2 else 0)
+        return forward(self, cache, input_ids, *args)
+
+    monkeypatch.setattr(CachedForward, "__call__", clocked)
+    monkeypatch.setattr("refusion.decode.costs.time.perf_counter", lambda: clock[0])
+    model = tiny_model("llama")
+    costs = measure(model, plain_setup(model), widths=(1, 4, 16), context=8)
     assert costs.seconds == pytest.approx((0.011, 0.014, 0.026))
 
 
@@ -107,6 +98,26 @@ def test_the_cost_aware_count_changes_the_drafts_never_the_output():
     assert drafted["flat"] == drafted["unmeasured"] > 0
     assert runs["flat"].traces == runs["unmeasured"].traces
     assert drafted["per_row"] == 0
+
+
+def test_the_probe_times_decoding_forwards_after_a_cached_context(monkeypatch):
+    """The probe's forwards are a decoder's: a one-token check, the context's prefill, then each timed width at the
+    positions after the context, over a cache holding the context alone (what the exact mode's verify forwards see)."""
+    model = tiny_model("llama")
+    seen = []
+    forward = CachedForward.__call__
+
+    def spy(self, cache, input_ids, positions, *args):
+        seen.append((input_ids.shape[1], int(positions[0, 0]), cache.committed[0]))
+        logits, seconds = forward(self, cache, input_ids, positions, *args)
+        assert logits.shape[1] == input_ids.shape[1]  # every row's logits, as a verify forward returns
+        return logits, seconds
+
+    monkeypatch.setattr(CachedForward, "__call__", spy)
+    costs = measure(model, plain_setup(model), widths=(1, 4, 16), repeats=2, context=24)
+    assert costs.widths == (1, 4, 16)
+    assert seen[:2] == [(1, 0, 0), (24, 0, 0)]
+    assert seen[2:] == [(w, 24, 24) for w in (1, 4, 16)] * 3  # an untimed round, then two timed ones
 
 
 def test_a_plain_model_measures_nothing():

@@ -204,7 +204,7 @@ def test_exact_attention_gives_the_same_bits_over_fp64_entries():
 
 @pytest.mark.parametrize("strategy", ["autoregressive", "speculative", "refusion"])
 def test_decoders_keep_fp64_entries_for_exact_attention_and_decode_the_same_tokens(strategy, monkeypatch):
-    from refusion.decode import loop
+    from refusion.decode import forward, loop
 
     model = tiny_model("qwen3", hidden_size=64, dtype=torch.bfloat16, attn_implementation=row_exact.EXACT_ATTENTION)
     use_packed_linears(model)
@@ -216,7 +216,7 @@ def test_decoders_keep_fp64_entries_for_exact_attention_and_decode_the_same_toke
                                 eos_token_id=2).for_strategy(strategy)
     prompts = [[1, 5, 7, 9], [9, 12, 13]]
     wide = refusion.generate(model, prompts, cfg)
-    monkeypatch.setattr(loop, "cache_dtype", lambda model: None)  # entries in the dtype the layers write
+    monkeypatch.setattr(forward, "cache_dtype", lambda model: None)  # entries in the dtype the layers write
     assert loop.Decoder(model).cache.kv_dtype is None
     narrow = refusion.generate(model, prompts, cfg)
     assert wide.sequences == narrow.sequences and wide.stats.batch.forwards == narrow.stats.batch.forwards

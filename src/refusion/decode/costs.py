@@ -6,8 +6,8 @@ cost about the same for 1 and 16 rows, the int4 kernel computes row by row (a 16
 model costs ~2x a one-row one), and a GPU should pay little for it (not measured yet). So the number of drafts
 a round verifies is chosen from two measurements:
 
-* `ForwardCosts`: seconds of a batch-1 forward of each width, timed once on the loaded model (`measure`,
-  called by `refusion.prepare`);
+* `ForwardCosts`: seconds of a batch-1 decoding forward of each width after a cached context, timed once on the
+  loaded model (`measure`, called by `refusion.prepare`);
 * `AcceptanceByDepth`: per sequence and draft source, how often a draft at depth i was accepted once the drafts
   before it were (a Beta(1, 1) prior: 1/2 before anything is seen).
 
@@ -44,6 +44,11 @@ PROBE_REPEATS = 3
 """Timed forwards per width, after one untimed round; the fastest counts: a forward slowed by another process or
 the OS says nothing about the kernels, and one such forward in a median of two priced drafts too high for the whole
 process (docs/BENCHMARKS.md, Current results: *Cost-aware drafts*)."""
+PROBE_CONTEXT = 128
+"""Tokens of cached context before the timed forwards (a prompt and part of its answer): each new row attends over
+them, a cost that grows with width (on refusion-smol in row-exact bf16 on an AVX512-BF16 EPYC, a 16-token decoding
+forward costs 1.7x a one-token one, where forwards without a context measured 1.2x: docs/BENCHMARKS.md, Current
+results: *Forward costs with a context*)."""
 MAX_PROBE_SECONDS = 0.25
 """A model whose one-token forward takes longer than this is not probed (its forwards are bound by reading the
 weights, so width is nearly free: no cut)."""
@@ -72,29 +77,46 @@ class ForwardCosts:
 
 
 @torch.inference_mode()
-def measure(model, widths: tuple[int, ...] = PROBE_WIDTHS, repeats: int = PROBE_REPEATS) -> ForwardCosts | None:
-    """Time batch-1 forwards of `widths` tokens (no cache) on the model as loaded; None when one forward takes
+def measure(model, setup, widths: tuple[int, ...] = PROBE_WIDTHS, repeats: int = PROBE_REPEATS,
+            context: int = PROBE_CONTEXT) -> ForwardCosts | None:
+    """Time batch-1 forwards of `widths` new tokens after a cached context of `context` tokens, through the
+    decoding forward (`decode.forward`) that `setup` (the model's `ModelSetup`) gives, eager: its compact or native
+    layers, its KV cache and masks, what a decoding step of that width pays, attention over the context included. None when a one-token forward takes
     longer than MAX_PROBE_SECONDS. After an untimed round (kernels pick their code for each shape on first use),
     widths are timed in turn, `repeats` rounds, so that a drift of the machine touches them all alike; each width's
     fastest forward counts."""
-    device = next(model.parameters()).device
-    vocab = model.get_input_embeddings().num_embeddings
-    def forward(width: int) -> float:  # logits of every row, as a decoding forward of drafts has
-        ids = torch.arange(width, device=device).remainder(vocab)[None]
-        start = time.perf_counter()
-        model(input_ids=ids, position_ids=torch.arange(width, device=device)[None], use_cache=False)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
+    from refusion.decode.forward import CachedForward
 
-    if forward(1) > MAX_PROBE_SECONDS:
+    run = CachedForward(model, setup.replace(compiled=None))
+    cache = run.new_cache(context + max(widths) + 1)
+    device, vocab = run.device, model.get_input_embeddings().num_embeddings
+    ids = torch.arange(context + max(widths), device=device).remainder(vocab)  # no mask token: clean rows
+    cache.add_sequence(0)
+
+    def forward(start: int, width: int) -> float:  # logits of every row, as a decoding forward of drafts has
+        positions = torch.arange(start, start + width, device=device)[None]
+        begin = time.perf_counter()
+        run(cache, ids[None, start: start + width], positions, torch.zeros_like(positions), None, [width], width)
+        return time.perf_counter() - begin
+
+    if forward(0, 1) > MAX_PROBE_SECONDS:
         return None
+    cache.discard(0)
+    if context:
+        forward(0, context)
+        cache.commit(0, torch.arange(context, device=device))
+
+    def timed(width: int) -> float:
+        seconds = forward(context, width)
+        cache.discard(0)  # the cache holds the context alone again
+        return seconds
+
     for w in widths:
-        forward(w)
+        timed(w)
     times = {w: [] for w in widths}
     for _ in range(repeats):
         for w in widths:
-            times[w].append(forward(w))
+            times[w].append(timed(w))
     seconds = [min(times[w]) for w in widths]
     for i in range(1, len(seconds)):  # a wider forward never costs less (noise aside)
         seconds[i] = max(seconds[i], seconds[i - 1])

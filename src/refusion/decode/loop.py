@@ -8,7 +8,6 @@ costs nothing more. New sequences can join between steps (continuous batching fo
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
@@ -17,14 +16,13 @@ from dataclasses import dataclass
 import torch
 
 from refusion.config import DecodeConfig, layered_config
-from refusion.decode.cache import PADDING, SlotCache, attention_mask_dtype, attention_windows, cache_keyword
-from refusion.decode.compiled import bucket_width, run_compiled, static_capacity
+from refusion.decode.cache import PADDING
+from refusion.decode.compiled import bucket_width
+from refusion.decode.forward import CachedForward
 from refusion.decode.grammar import ResponseGrammar, check_strategy
 from refusion.decode.outputs import BatchStats, GenerationOutput, GenerationStats, RoundTrace
 from refusion.decode.programs import start_program
 from refusion.decode.sequence import Forward, Program, Sequence
-from refusion.model.compact import compact_forward
-from refusion.model.row_exact import cache_dtype
 from refusion.model.setup import ModelSetup, check_promise, setup_of
 
 
@@ -48,24 +46,13 @@ class Decoder:
         """`setup`: what refusion added to the model (special tokens, draft table, ...); None: `setup_of(model)`."""
         self.model = model
         self.setup = setup or setup_of(model)
-        self.device = next(model.parameters()).device
-        mask_dtype = attention_mask_dtype(model)
-        text_config = model.config.get_text_config()
-        self.compiled = self.setup.compiled  # the model's compiled forward (fixed shapes: `decode.compiled`), or None
-        # eager forwards of a supported family skip transformers' per-layer Python (the same bits: `model.compact`)
-        self.compact = (compact_forward(model, self.setup.compact_forward) if self.setup.compact and self.compiled is None
-                        else None)
-        static = None
-        if self.compiled is not None:
-            capacity, static = static_capacity(capacity), kv_layout(text_config, model.dtype)
-        self.cache = SlotCache(text_config.num_hidden_layers, self.device, capacity, mask_dtype,
-                               attention_windows(text_config), static=static,
-                               kv_dtype=None if static else cache_dtype(model))
+        self.cached_forward = CachedForward(model, self.setup)  # each step's forward over the cache
+        self.device, self.compiled = self.cached_forward.device, self.cached_forward.compiled
+        self.compact = self.cached_forward.compact
+        self.cache = self.cached_forward.new_cache(capacity)
         self.live: dict[int, Running] = {}
         self.stats = BatchStats()
         self._next_id = 0
-        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._cache_keyword = cache_keyword(model)
 
     def add(self, prompt: list[int], cfg: DecodeConfig, *, mask_token_id: int | None, eos_token_ids: list[int],
             generator: torch.Generator | None = None, index: int = 0, trace: bool = False,
@@ -109,7 +96,7 @@ class Decoder:
         """
         order = sorted(self.live, key=self.cache.row_of.get)
         requests = [self.live[i].request for i in order]
-        logits = self._forward(requests)
+        logits = self.forward(requests)
         finished, failed = [], []
         for seq_id, seq_logits in zip(order, logits):
             running = self.live[seq_id]
@@ -140,8 +127,9 @@ class Decoder:
         while self.live:
             self.step()
 
-    def _forward(self, requests: list[Forward]) -> list[torch.Tensor]:
-        """One batched forward; requests are right-aligned (left padding) in cache-row order."""
+    def forward(self, requests: list[Forward]) -> list[torch.Tensor]:
+        """One batched forward of `requests` (one per sequence of the cache, in cache-row order; right-aligned, i.e.
+        left padding): the logits each asked for. `step` runs the programs' requests through it."""
         counts = [r.tokens.numel() for r in requests]
         batch, width = len(requests), max(counts)
         bucket = bucket_width(width) if self.compiled is not None else None
@@ -153,23 +141,10 @@ class Decoder:
         else:
             input_ids, positions, groups, lower_upto = padded_inputs(requests, width, branched, self.device)
         keep = max(r.tokens.numel() - r.logits_from for r in requests)  # logits needed, counted from the end
-        mask = self.cache.begin_forward(groups, positions, lower_upto, counts)
-        kwargs = {"logits_to_keep": width if bucket else keep} if self._logits_to_keep else {}  # compiled: fixed
-        start = time.perf_counter()
-        if self.compact is not None:
-            logits = self.compact(input_ids, positions, mask, self.cache, keep)
-        else:
-            inputs = dict(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                          **{self._cache_keyword: self.cache.hf}, **kwargs)
-            out = run_compiled(self.compiled, **inputs) if bucket else self.model(**inputs)
-            logits = out.logits[:, -keep:]  # [B, keep, V]
-            if bucket:
-                logits = logits.clone()  # a CUDA graph's output buffer is overwritten by its next replay
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.stats.forward_seconds += time.perf_counter() - start
+        logits, seconds = self.cached_forward(self.cache, input_ids, positions, groups, lower_upto, counts, keep,
+                                              bucket)
+        self.stats.forward_seconds += seconds
         self.stats.forwards += 1
-        self.cache.end_forward()
         return [logits[b, keep - (r.tokens.numel() - r.logits_from):] for b, r in enumerate(requests)]
 
 
@@ -187,13 +162,6 @@ def padded_inputs(requests: list[Forward], width: int, branched: bool, device: t
         if r.lower_upto is not None:
             lower_upto[b, width - n:] = r.lower_upto
     return input_ids, positions, groups, lower_upto
-
-
-def kv_layout(text_config, dtype: torch.dtype) -> tuple[int, int, torch.dtype]:
-    """(KV heads, head dim, dtype) of a model's cache entries, what a fixed-shape cache allocates up front."""
-    heads = text_config.num_attention_heads
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
-    return getattr(text_config, "num_key_value_heads", None) or heads, head_dim, dtype
 
 
 # --------------------------------------------------------------------------------- generate

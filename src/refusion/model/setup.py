@@ -181,11 +181,13 @@ def prepare(model, tokenizer=None, *, directory: str | Path | None = None, linea
     if tokens.eos_token_ids:  # transformers' own `generate` (and a saved copy) stops where refusion does
         eos = tokens.eos_token_ids
         model.generation_config.eos_token_id = eos[0] if len(eos) == 1 else list(eos)
-    return attach_setup(model, ModelSetup(
+    setup = ModelSetup(
         special_tokens=tokens, kernels=Kernels(linear_kernel, attention, reason), draft_table=table,
         adapter_gate=_adapter_gate_of(model), row_exact=_is_row_exact(model, linear_kernel, attention) and not compile,
-        forward_costs=measure(model), compiled=compile_model(model) if compile else None,
-        compact_forward=compact_forward(model)))
+        compact_forward=compact_forward(model))
+    costs = measure(model, setup)  # through the eager decoding forward (a compiled one would compile every width)
+    return attach_setup(model, setup.replace(forward_costs=costs,
+                                             compiled=compile_model(model) if compile else None))
 
 
 def choose_linear_kernel(model, linear: str, weights_file: str | Path | None = None) -> tuple[str, str]:

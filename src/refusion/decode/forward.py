@@ -1,0 +1,74 @@
+"""One forward of a model over a `SlotCache`: the call every decoding step makes, in one place.
+
+The batching loop (`loop.Decoder`) runs each step's batched forward through it, and the forward-cost probe
+(`costs.measure`) times forwards through it, so what the probe prices is what a decoding step pays: the compact
+(or native) layers where they apply, else transformers' forward, compiled or not, over the same cache and masks.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import torch
+
+from refusion.decode.cache import SlotCache, attention_mask_dtype, attention_windows, cache_keyword
+from refusion.decode.compiled import run_compiled, static_capacity
+from refusion.model.compact import compact_forward
+from refusion.model.row_exact import cache_dtype
+
+
+def kv_layout(text_config, dtype: torch.dtype) -> tuple[int, int, torch.dtype]:
+    """(KV heads, head dim, dtype) of a model's cache entries, what a fixed-shape cache allocates up front."""
+    heads = text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    return getattr(text_config, "num_key_value_heads", None) or heads, head_dim, dtype
+
+
+class CachedForward:
+    """A model's forward over a `SlotCache`, as a `ModelSetup` says to run it."""
+
+    def __init__(self, model, setup):
+        """`setup`: the model's `ModelSetup` (its compiled forward, its compact forward and whether to use it)."""
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.compiled = setup.compiled  # the model's compiled forward (fixed shapes: `decode.compiled`), or None
+        # eager forwards of a supported family skip transformers' per-layer Python (the same bits: `model.compact`)
+        self.compact = (compact_forward(model, setup.compact_forward) if setup.compact and self.compiled is None
+                        else None)
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._cache_keyword = cache_keyword(model)
+
+    def new_cache(self, capacity: int) -> SlotCache:
+        """An empty cache for this forward: fixed shapes (a capacity rounded up) when compiled, fp64 entries under
+        exact attention (`row_exact.cache_dtype`)."""
+        model, static = self.model, None
+        text_config = model.config.get_text_config()
+        if self.compiled is not None:
+            capacity, static = static_capacity(capacity), kv_layout(text_config, model.dtype)
+        return SlotCache(text_config.num_hidden_layers, self.device, capacity, attention_mask_dtype(model),
+                         attention_windows(text_config), static=static,
+                         kv_dtype=None if static else cache_dtype(model))
+
+    def __call__(self, cache: SlotCache, input_ids: torch.Tensor, positions: torch.Tensor, groups: torch.Tensor,
+                 lower_upto: torch.Tensor | None, counts: list[int], keep: int,
+                 bucket: int | None = None) -> tuple[torch.Tensor, float]:
+        """(logits [B, keep, V] of the last `keep` tokens, seconds in the model's forward): one forward of the
+        [B, W] inputs (`counts`: each row's real tokens; `bucket`: the compiled width they were padded to)."""
+        mask = cache.begin_forward(groups, positions, lower_upto, counts)
+        kwargs = {"logits_to_keep": bucket or keep} if self._logits_to_keep else {}  # compiled: fixed
+        start = time.perf_counter()
+        if self.compact is not None:
+            logits = self.compact(input_ids, positions, mask, cache, keep)
+        else:
+            inputs = dict(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                          **{self._cache_keyword: cache.hf}, **kwargs)
+            out = run_compiled(self.compiled, **inputs) if bucket else self.model(**inputs)
+            logits = out.logits[:, -keep:]  # [B, keep, V]
+            if bucket:
+                logits = logits.clone()  # a CUDA graph's output buffer is overwritten by its next replay
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        cache.end_forward()
+        return logits, seconds
