@@ -146,8 +146,13 @@ Tensor sgemm_linear(const Tensor& x, const Product& p) {
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 // the hot fp64 loops compiled for AVX-512, AVX2 and baseline x86-64, the widest the CPU runs chosen at load time
 #define REFUSION_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+// exact fp64 loops (products of bf16 numbers, or of fp32 ones: at most 48 significant bits, exact in fp64): a
+// product rounds to itself, so fma(a, b, c) rounds as a * b + c does and contracting the two into an FMA changes no
+// bit; where the CPU has FMA (x86-64-v3 and v4) those loops take it, half the instructions
+#define REFUSION_EXACT_PRODUCTS __attribute__((optimize("fp-contract=fast")))
 #else
 #define REFUSION_CLONES
+#define REFUSION_EXACT_PRODUCTS
 #endif
 
 constexpr int64_t kMaxHeadDim = 512;  // the widest head the fused attention takes (its rotary row buffer)
@@ -442,7 +447,8 @@ void rope_write(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&
 
 // fp64 dot products of a query row with `length` key rows: products of bf16 numbers are exact in fp64 and so
 // are their sums, whatever the order (row_exact's docstring); here 8 partial sums, then their sum
-REFUSION_CLONES void key_dots(const double* q, const double* keys, int64_t length, int64_t dim, double* out) {
+REFUSION_CLONES REFUSION_EXACT_PRODUCTS void key_dots(const double* q, const double* keys, int64_t length,
+                                                      int64_t dim, double* out) {
   for (int64_t j = 0; j < length; ++j) {
     const double* k = keys + j * dim;
     double lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -456,8 +462,8 @@ REFUSION_CLONES void key_dots(const double* q, const double* keys, int64_t lengt
 }
 
 // out[d] = sum_j w[j] * values[j][d] in fp64 (exact products of bf16 numbers); zero weights add nothing
-REFUSION_CLONES void weighted_values(const double* w, const double* values, int64_t length, int64_t dim,
-                                     double* out) {
+REFUSION_CLONES REFUSION_EXACT_PRODUCTS void weighted_values(const double* w, const double* values,
+                                                             int64_t length, int64_t dim, double* out) {
   for (int64_t d = 0; d < dim; ++d) out[d] = 0;
   for (int64_t j = 0; j < length; ++j) {
     if (w[j] == 0) continue;
