@@ -285,3 +285,17 @@ def test_decoders_decode_the_same_tokens_and_forwards_either_way(tiny_model_dir,
     theirs = refusion.generate(model, prompts, cfg, setup=python)
     assert ours.sequences == theirs.sequences
     assert [s.forwards for s in ours.stats.per_sequence] == [s.forwards for s in theirs.stats.per_sequence]
+
+
+def test_weight_major_products_padded_as_the_python_layers_do():
+    """fp32 layers multiplying weight-major (`model.narrow`, what a CPU without native bf16 may choose), their
+    products of 1-3 rows padded to 2-4, wider ones through F.linear: the C++ layers compute what the Python loop
+    does, for forwards of many rows and one-token steps."""
+    from refusion.model.narrow import NarrowLinear, use_narrow_linears
+
+    model = exact_model("llama", torch.float32, seed=9, attention="sdpa")
+    assert use_narrow_linears(model, force=True, padded_rows=(0, 2, 4, 4)) > 0
+    assert any(isinstance(m, NarrowLinear) for m in model.modules())
+    compact = native_run(model)
+    assert_same(forwards(model, compact), forwards(model, python_run(model)))
+    assert_same(one_token_steps(model, compact, steps=8), one_token_steps(model, python_run(model), steps=8))

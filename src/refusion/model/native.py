@@ -1,25 +1,28 @@
 """The compact forward's decoder layers in C++: the same operations, without Python between them.
 
 A one-token forward of SmolLM2-135M calls ~2,400 ATen operations besides its 121 products; called one by one from
-Python each costs a few microseconds of interpreter and dispatch on top of its work, about a third of a decoding
-step on a 2-core CPU. `NativeLayers` runs a `CompactForward`'s layer loop in a small C++ extension
-(`csrc/decoder_layers.cpp`): the products through the same ATen kernels (packed bf16, int4, packed fp32, plain;
-fused or not, with a mask-gated adapter's updates), and what lies between them in a few fused passes that compute
-every element with the operations and roundings of the Python loop's chain of ATen operations (bf16 widened to fp32,
-each result rounded back as ATen rounds it, no FMA contraction): the norm with the residual add before it, a
-mask-gated update added to its product's output, rotary embedding with the KV entries written where
-`SlotCache.write` writes them, and exact attention over the cache's fp64 entries (products of bf16 numbers, exact in
-fp64, summed in an order of its own, which does not change an exact sum; ATen's own sum and softmax for the
-reductions whose order does matter). SiLU and sdpa stay ATen's. Its logits are the Python loop's bit for bit
-(tests/model/test_native.py), so every guarantee of the compact forward (transformers' logits, rows as they would be
-alone) holds unchanged; measured in docs/BENCHMARKS.md, Current results: *Native decoder layers*.
+Python each costs a few microseconds of interpreter and dispatch on top of its work, about a third of a decoding step
+on a 2-core CPU. `NativeLayers` runs a `CompactForward`'s layer loop in a small C++ extension
+(`csrc/decoder_layers.cpp`): the products through the same ATen kernels (packed bf16, int4, packed fp32, weight-major,
+plain; fused or not, with a mask-gated adapter's updates), and what lies between them in a few fused passes that
+compute every element with the operations and roundings of the Python loop's chain of ATen operations (bf16 widened to
+fp32, each result rounded back as ATen rounds it, no FMA contraction): the norm with the residual add before it, a
+mask-gated update added to its product's output, rotary embedding with the KV entries written where `SlotCache.write`
+writes them, and exact attention over the cache's fp64 entries (products of bf16 numbers, exact in fp64, summed in an
+order of its own, which does not change an exact sum; ATen's own sum and softmax for the reductions whose order does
+matter). SiLU and sdpa stay ATen's. Its logits are the Python loop's bit for bit (tests/model/test_native.py), so
+every guarantee of the compact forward (transformers' logits, rows as they would be alone) holds unchanged; measured
+in docs/BENCHMARKS.md, Current results: *Native decoder layers*.
 
 It applies to models on the CPU, under inference (no autograd), whose attention is exact attention (the row-exact
 setup, the default where bf16 products are exact) or transformers' sdpa (the fp32 default elsewhere), whose products
-are packed, int4, packed fp32 (`model.sgemm`) or plain, with a SiLU MLP; anything else runs the Python loop (and
-compiles nothing). The layers read the weights the Python loop would: packed and fused weights are rebuilt when a
-weight is written or replaced, a layer switched to another kernel is followed, and an int4 layer's changed weight is
-refused as `Int4Linear` refuses it. The forward releases the GIL, so a server's other threads run meanwhile.
+are packed, int4, packed fp32 (`model.sgemm`), weight-major (`model.narrow`) or plain, with a SiLU MLP; anything else
+runs the Python loop (and compiles nothing). The layers read the weights the Python loop would: packed and fused
+weights are rebuilt when a weight is written or replaced, a layer switched to another kernel is followed, and an int4
+layer's changed weight is refused as `Int4Linear` refuses it. The forward releases the GIL, so a server's other
+threads run meanwhile.
+
+
 
 The extension is compiled once per machine, torch version and source (~30 s with g++; `ninja` is a
 dependency) into torch's extension directory (`TORCH_EXTENSIONS_DIR`, else ~/.cache/torch_extensions) and loaded
@@ -44,6 +47,8 @@ from refusion.model.build_cache import OFF_VALUES
 from refusion.model.fused import FusedProduct, base_of
 from refusion.model.gated_lora import MaskGatedLoRA
 from refusion.model.int4 import GROUP, Int4Linear
+from refusion.model.narrow import MAX_ROWS as NARROW_MAX_ROWS
+from refusion.model.narrow import NarrowLinear
 from refusion.model.row_exact import EXACT_ATTENTION, ExactRows, PackedLinear
 from refusion.model.sgemm import SgemmLinear
 
@@ -52,7 +57,7 @@ EXTENSION = "refusion_native"
 """The extension's module name (and its folder under torch's extension directory)."""
 NATIVE_ENV = "REFUSION_NATIVE"
 """Set to 0 (or off) to decode without the C++ layers (nothing is compiled)."""
-KINDS = {nn.Linear: 0, PackedLinear: 1, Int4Linear: 2, SgemmLinear: 3}
+KINDS = {nn.Linear: 0, PackedLinear: 1, Int4Linear: 2, SgemmLinear: 3, NarrowLinear: 4}
 """The product kinds the C++ layers compute, by linear layer type (the constants of decoder_layers.cpp)."""
 ATTENTIONS = {EXACT_ATTENTION: 0, "sdpa": 1}
 """The attention implementations the C++ layers compute (the constants of decoder_layers.cpp): exact attention,
@@ -182,17 +187,20 @@ class NativeLayers:
         weight, bias = base._parameters["weight"], base._parameters["bias"]
         kind = KINDS[type(base)]
         packed = exact = torch.empty(0)
-        rows = ExactRows(0, 0)
+        rows, padded = ExactRows(0, 0), []
         if kind == KINDS[SgemmLinear]:
             scales, packed, exact = torch.empty(0), base._packed(), base.exact
         elif kind == KINDS[PackedLinear]:
             weight, scales, rows = base._packed(), torch.empty(0), base.exact_rows
         elif kind == KINDS[Int4Linear]:
             weight, _, scales = base.blocks()
+        elif kind == KINDS[NarrowLinear]:
+            scales, rows, padded = torch.empty(0), ExactRows(0, NARROW_MAX_ROWS), list(base.padded_rows)
         else:
             scales = torch.empty(0)
         return self.extension.Product(kind, weight, scales, bias, rows.high, rows.low, GROUP, [base.out_features],
-                                      self._updates([(0, member)] if member is not base else []), packed, exact)
+                                      self._updates([(0, member)] if member is not base else []), packed, exact,
+                                      padded)
 
     def _fused(self, product: FusedProduct):
         """A fused product as the C++ layers compute it (its stacked weights brought up to date)."""
@@ -203,7 +211,8 @@ class NativeLayers:
         scales = product.scales if product.scales is not None else torch.empty(0)
         rows = product.rows or ExactRows(0, 0)
         return self.extension.Product(kind, product.weight, scales, product.bias, rows.high, rows.low, GROUP,
-                                      product.splits, self._updates(product.wrapped), torch.empty(0), torch.empty(0))
+                                      product.splits, self._updates(product.wrapped), torch.empty(0), torch.empty(0),
+                                      [])
 
 
 def native_layers(compact) -> NativeLayers | None:

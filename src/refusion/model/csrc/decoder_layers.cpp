@@ -26,6 +26,7 @@ constexpr int64_t kPlain = 0;   // F.linear on the weight as it is
 constexpr int64_t kPacked = 1;  // row_exact.PackedLinear: the oneDNN-packed bf16 weight, chunks of exact rows
 constexpr int64_t kInt4 = 2;    // int4.Int4Linear: the 4-bit blocks
 constexpr int64_t kSgemm = 3;   // sgemm.SgemmLinear: MKL's packed fp32 weight where it gives F.linear's bits
+constexpr int64_t kNarrow = 4;  // narrow.NarrowLinear: weight-major (W @ x.T).T for narrow forwards, maybe padded
 
 // states of a row count in an sgemm product's `exact` (sgemm.py NOT_PROBED, EXACT, INEXACT)
 constexpr uint8_t kNotProbed = 0;
@@ -45,13 +46,14 @@ struct Product {
   Tensor weight;                // plain weight, packed weight or 4-bit blocks
   Tensor scales;                // int4: the blocks' scales and zeros
   c10::optional<Tensor> bias;
-  int64_t rows;                 // packed: rows per exact chunk (row_exact.ExactRows.high)
+  int64_t rows;                 // packed: rows per exact chunk (row_exact.ExactRows.high); narrow: narrow.MAX_ROWS
   int64_t low_rows;             // packed: narrower products padded with zero rows to this many (ExactRows.low)
   int64_t group;                // int4: weights per block
   std::vector<int64_t> splits;  // the members' output features
   std::vector<Update> updates;
   Tensor packed;                // sgemm: the MKL-packed weight
   Tensor exact;                 // sgemm: uint8 [thread counts, row counts], shared with the Python layers
+  std::vector<int64_t> padded_rows;  // narrow: padded_rows[r], the rows a product of r rows is computed with
 };
 
 struct Norm {
@@ -133,6 +135,21 @@ Tensor sgemm_linear(const Tensor& x, const Product& p) {
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = p.weight.size(0);
   return sgemm_product(x.reshape({rows, x.size(-1)}), p).view(shape);
+}
+
+// narrow.NarrowLinear.forward: products of at most p.rows rows (of the weight's dtype) weight-major, padded with
+// zero rows to padded_rows[rows]; wider ones F.linear
+Tensor narrow_linear(const Tensor& x, const Product& p) {
+  int64_t in = x.size(-1), rows = in ? x.numel() / in : 0;
+  if (rows == 0 || rows > p.rows || x.scalar_type() != p.weight.scalar_type()) return at::linear(x, p.weight, p.bias);
+  Tensor flat = x.reshape({rows, in});
+  int64_t padded = rows < static_cast<int64_t>(p.padded_rows.size()) ? p.padded_rows[rows] : rows;
+  if (padded > rows) flat = at::cat({flat, flat.new_zeros({padded - rows, in})});
+  Tensor out = at::mm(p.weight, flat.t()).t().contiguous().slice(0, 0, rows);
+  if (p.bias) out = out + *p.bias;
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = p.weight.size(0);
+  return out.view(shape);
 }
 
 // ------------------------------------------------------------------------------------------------ fused kernels
@@ -296,7 +313,8 @@ Tensor update_rows(const Tensor& x, const MaskRows& m, at::ScalarType dtype) {
   return (m.gated ? flat_x : flat_x.index_select(0, *m.rows)).to(dtype);
 }
 
-// FusedProduct.__call__, PackedLinear.forward (chunked_product), Int4Linear.forward, nn.Linear.forward, and the
+// FusedProduct.__call__, PackedLinear.forward (chunked_product), Int4Linear.forward, SgemmLinear.forward,
+// NarrowLinear.forward, nn.Linear.forward, and the
 // MaskGatedLoRA updates of the members: the members' outputs in order (views of `*whole`, when asked for)
 std::vector<Tensor> product(const Product& p, const Tensor& x, const MaskRows& m, Tensor* whole = nullptr) {
   Tensor out;
@@ -304,6 +322,8 @@ std::vector<Tensor> product(const Product& p, const Tensor& x, const MaskRows& m
     out = at::linear(x, p.weight, p.bias);
   } else if (p.kind == kSgemm) {
     out = sgemm_linear(x, p);
+  } else if (p.kind == kNarrow) {
+    out = narrow_linear(x, p);
   } else {
     Tensor flat = x.reshape({-1, x.size(-1)});
     if (p.kind == kPacked) {
@@ -800,7 +820,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Update>(m, "Update").def(py::init<int64_t, Tensor, Tensor>());
   py::class_<Product>(m, "Product")
       .def(py::init<int64_t, Tensor, Tensor, c10::optional<Tensor>, int64_t, int64_t, int64_t, std::vector<int64_t>,
-                    std::vector<Update>, Tensor, Tensor>());
+                    std::vector<Update>, Tensor, Tensor, std::vector<int64_t>>());
   py::class_<Norm>(m, "Norm").def(py::init<Tensor, double>());
   py::class_<Layer>(m, "Layer")
       .def(py::init<Norm, Norm, c10::optional<Norm>, c10::optional<Norm>, std::vector<Product>, Product,
