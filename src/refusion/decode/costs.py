@@ -81,10 +81,10 @@ def measure(model, setup, widths: tuple[int, ...] = PROBE_WIDTHS, repeats: int =
             context: int = PROBE_CONTEXT) -> ForwardCosts | None:
     """Time batch-1 forwards of `widths` new tokens after a cached context of `context` tokens, through the
     decoding forward (`decode.forward`) that `setup` (the model's `ModelSetup`) gives, eager: its compact or native
-    layers, its KV cache and masks, what a decoding step of that width pays, attention over the context included. None when a one-token forward takes
-    longer than MAX_PROBE_SECONDS. After an untimed round (kernels pick their code for each shape on first use),
-    widths are timed in turn, `repeats` rounds, so that a drift of the machine touches them all alike; each width's
-    fastest forward counts."""
+    layers, its KV cache and masks, so what a decoding step of that width pays, attention over the context
+    included. None when a one-token forward takes longer than MAX_PROBE_SECONDS. After an untimed round (kernels
+    pick their code for each shape on first use), widths are timed in turn, `repeats` rounds, so that a drift of
+    the machine touches them all alike; each width's fastest forward counts."""
     from refusion.decode.forward import CachedForward
 
     run = CachedForward(model, setup.replace(compiled=None))
