@@ -22,8 +22,6 @@ weights are rebuilt when a weight is written or replaced, a layer switched to an
 layer's changed weight is refused as `Int4Linear` refuses it. The forward releases the GIL, so a server's other
 threads run meanwhile.
 
-
-
 The extension is compiled once per machine, torch version and source (~30 s with g++; `ninja` is a
 dependency) into torch's extension directory (`TORCH_EXTENSIONS_DIR`, else ~/.cache/torch_extensions) and loaded
 from there afterwards. Where it cannot be built (no compiler) decoding runs the Python loop with one warning;
@@ -186,19 +184,17 @@ class NativeLayers:
         base = self._base(member)
         weight, bias = base._parameters["weight"], base._parameters["bias"]
         kind = KINDS[type(base)]
-        packed = exact = torch.empty(0)
-        rows, padded = ExactRows(0, 0), []
+        packed = exact = scales = torch.empty(0)
+        rows, low_rows, padded = 0, 0, []  # the row counts of packed (ExactRows) or narrow products
         if kind == KINDS[SgemmLinear]:
-            scales, packed, exact = torch.empty(0), base._packed(), base.exact
+            packed, exact = base._packed(), base.exact
         elif kind == KINDS[PackedLinear]:
-            weight, scales, rows = base._packed(), torch.empty(0), base.exact_rows
+            weight, rows, low_rows = base._packed(), base.exact_rows.high, base.exact_rows.low
         elif kind == KINDS[Int4Linear]:
             weight, _, scales = base.blocks()
         elif kind == KINDS[NarrowLinear]:
-            scales, rows, padded = torch.empty(0), ExactRows(0, NARROW_MAX_ROWS), list(base.padded_rows)
-        else:
-            scales = torch.empty(0)
-        return self.extension.Product(kind, weight, scales, bias, rows.high, rows.low, GROUP, [base.out_features],
+            rows, padded = NARROW_MAX_ROWS, list(base.padded_rows)
+        return self.extension.Product(kind, weight, scales, bias, rows, low_rows, GROUP, [base.out_features],
                                       self._updates([(0, member)] if member is not base else []), packed, exact,
                                       padded)
 

@@ -95,14 +95,16 @@ Tensor packed_product(const Tensor& x, const Tensor& weight, const c10::optional
   return op.call(x, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
 }
 
+// flat [n, K] followed by zero rows up to `rows` rows (the padding of narrow products: row_exact, narrow)
+Tensor with_zero_rows(const Tensor& flat, int64_t rows) {
+  return at::cat({flat, flat.new_zeros({rows - flat.size(0), flat.size(1)})});
+}
+
 // row_exact.chunked_product: products of low_rows..rows rows, narrower ones padded with zero rows, wider in chunks
 Tensor chunked_product(const Tensor& flat, const Product& p) {
   int64_t n = flat.size(0);
   if (n >= p.low_rows && n <= p.rows) return packed_product(flat, p.weight, p.bias);
-  if (n < p.low_rows) {
-    Tensor padded = at::cat({flat, flat.new_zeros({p.low_rows - n, flat.size(1)})});
-    return packed_product(padded, p.weight, p.bias).narrow(0, 0, n);
-  }
+  if (n < p.low_rows) return packed_product(with_zero_rows(flat, p.low_rows), p.weight, p.bias).narrow(0, 0, n);
   std::vector<Tensor> chunks;
   for (const Tensor& chunk : flat.split(p.rows)) chunks.push_back(chunked_product(chunk, p));
   return at::cat(chunks);
@@ -144,7 +146,7 @@ Tensor narrow_linear(const Tensor& x, const Product& p) {
   if (rows == 0 || rows > p.rows || x.scalar_type() != p.weight.scalar_type()) return at::linear(x, p.weight, p.bias);
   Tensor flat = x.reshape({rows, in});
   int64_t padded = rows < static_cast<int64_t>(p.padded_rows.size()) ? p.padded_rows[rows] : rows;
-  if (padded > rows) flat = at::cat({flat, flat.new_zeros({padded - rows, in})});
+  if (padded > rows) flat = with_zero_rows(flat, padded);
   Tensor out = at::mm(p.weight, flat.t()).t().contiguous().slice(0, 0, rows);
   if (p.bias) out = out + *p.bias;
   std::vector<int64_t> shape = x.sizes().vec();
