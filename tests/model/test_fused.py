@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from refusion.model import fused, int4, row_exact
+from refusion.model import fused, int4, narrow, row_exact
 from refusion.model.compact import CompactForward, compact_forward
 from refusion.model.gated_lora import MaskGatedLoRA, MaskRows
 from refusion.model.tiny import TINY_MASK_ID, tiny_model
@@ -15,15 +15,26 @@ from .test_compact import forwards, transformers_run
 
 KINDS = [pytest.param("packed", marks=pytest.mark.skipif(not row_exact.packing_available(),
                                                          reason="no bf16 packing on this CPU")),
-         pytest.param("int4", marks=pytest.mark.skipif(not int4.int4_available(), reason="no int4 CPU kernel"))]
+         pytest.param("int4", marks=pytest.mark.skipif(not int4.int4_available(), reason="no int4 CPU kernel")),
+         "narrow"]
 
 
 HIDDEN = 128
 """k and v then have 64 output features: whole blocks of the int4 packing (members of fewer rows do not fuse)."""
 
 
+NARROW_PADDING = (0, 2, 2, 4, 4)
+"""Row padding of the narrow kind's products in these tests (one row computed as two, three as four)."""
+
+
 def model_with(kind: str, family: str = "llama", seed: int = 0):
-    """A tiny bf16 model whose linear layers use `kind` (int4: random 4-bit blocks, the weights set to them)."""
+    """A tiny bf16 model whose linear layers use `kind` (int4: random 4-bit blocks, the weights set to them), or
+    for "narrow" a tiny fp32 model multiplying weight-major, its products padded (`NARROW_PADDING`)."""
+    if kind == "narrow":
+        model = tiny_model(family, hidden_size=HIDDEN, heads=4, kv_heads=2, dtype=torch.float32, seed=seed,
+                           attn_implementation="sdpa")
+        narrow.use_narrow_linears(model, force=True, padded_rows=NARROW_PADDING)
+        return model
     model = tiny_model(family, hidden_size=HIDDEN, heads=4, kv_heads=2, dtype=torch.bfloat16, seed=seed,
                        attn_implementation=row_exact.EXACT_ATTENTION)
     if kind == "packed":
@@ -65,8 +76,8 @@ def test_one_product_gives_every_member_its_own_bits(kind, bias):
     products = fused.fused_products(model.model.layers[0])
     assert set(products) == {"self_attn", "mlp"}
     attention = model.model.layers[0].self_attn
-    for rows in (1, 3, 40):  # 40: past the packed kernel's exact chunk
-        x = torch.randn(1, rows, HIDDEN).to(torch.bfloat16)
+    for rows in (1, 3, 40):  # 40: past the packed kernel's exact chunk and the narrow products' rows
+        x = torch.randn(1, rows, HIDDEN).to(model.dtype)
         members = [attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)]
         for own, together in zip(members, products["self_attn"](x), strict=True):
             assert torch.equal(own, together)
@@ -115,10 +126,10 @@ def test_a_built_forward_is_reused_until_a_member_is_replaced(kind):
     built = compact_forward(model)
     assert compact_forward(model, built) is built
     attention = model.model.layers[1].self_attn
-    attention.v_proj = nn.Linear(HIDDEN, 64, bias=False, dtype=torch.bfloat16)  # e.g. an adapter wrapped it later
+    attention.v_proj = nn.Linear(HIDDEN, 64, bias=False, dtype=model.dtype)  # e.g. an adapter wrapped it later
     fresh = compact_forward(model, built)
     assert isinstance(fresh, CompactForward) and fresh is not built
-    assert "self_attn" not in fresh.fused[1]  # a plain bf16 layer beside packed ones: different kernels
+    assert "self_attn" not in fresh.fused[1]  # a plain layer beside the others: different kernels
     for ours, theirs in zip(forwards(model, fresh), forwards(model, transformers_run(model)), strict=True):
         assert torch.equal(ours, theirs)
 
@@ -140,3 +151,29 @@ def test_prepare_builds_the_forward_every_decoder_reuses(tiny_model_dir):
     setup = setup_of(model)
     assert isinstance(setup.compact_forward, CompactForward)
     assert Decoder(model).compact is setup.compact_forward
+
+
+@torch.no_grad()
+def test_fused_narrow_members_read_one_stacked_weight_and_still_save(tmp_path):
+    """Weight-major fp32 members stacked without a second copy: each member's weight is its rows of the fused
+    weight, a member written in place is what the fused product multiplies, and the model saves and loads back
+    as it stands."""
+    from transformers import AutoModelForCausalLM
+
+    model = model_with("narrow", seed=8)
+    compact = CompactForward(model, native=False)
+    forwards(model, compact)  # the fused weights are built
+    attention = model.model.layers[0].self_attn
+    product = compact.fused[0]["self_attn"]
+    stacked = product.weight.untyped_storage().data_ptr()
+    assert all(m.weight.untyped_storage().data_ptr() == stacked for m in (attention.q_proj, attention.k_proj,
+                                                                            attention.v_proj))
+    attention.k_proj.weight.add_(0.5)  # written in place through a member
+    x = torch.randn(2, HIDDEN)
+    assert torch.equal(product(x)[1], attention.k_proj(x))
+    for ours, theirs in zip(forwards(model, compact), forwards(model, transformers_run(model)), strict=True):
+        assert torch.equal(ours, theirs)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    saved = loaded.state_dict()
+    assert all(torch.equal(value, saved[name]) for name, value in model.state_dict().items())

@@ -17,8 +17,11 @@ Fused weights are built on the first call and follow the members: a packed produ
 weight changes (the members drop their own packed copies, which they rebuild if called alone again); the int4
 members' 4-bit weights become row slices of the fused one, stacked from theirs (no second copy; torch packs
 rows in blocks, so this holds where each member's rows fill whole blocks, which the probe checks), and a changed
-weight is refused as `Int4Linear` refuses it. Other kernels (plain fp32 products, weight-major narrow
-ones) are left as they are.
+weight is refused as `Int4Linear` refuses it. Weight-major narrow products (`model.narrow`, fp32 on CPUs without
+native bf16) fuse the same way: the members' weights become row slices of the stacked one (one copy, as for
+int4; a member written in place writes the stacked weight, and a replaced one is stacked again), which the fused
+product multiplies in forwards of at most `narrow.MAX_ROWS` rows, padded as the members pad theirs; wider
+forwards (a prefill) take the members' own products. Plain fp32 products are left as they are.
 """
 
 from __future__ import annotations
@@ -30,12 +33,15 @@ from torch import nn
 
 from refusion.model.gated_lora import MaskGatedLoRA
 from refusion.model.int4 import GROUP, STALE_BLOCKS, Int4Linear
+from refusion.model.narrow import MAX_ROWS as NARROW_MAX_ROWS
+from refusion.model.narrow import NarrowLinear, narrow_product
 from refusion.model.row_exact import PackedLinear, chunked_product, exact_rows, weight_key
 
 FUSED_GROUPS = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
 """Sub-layers of a decoder layer whose linear layers read the same input, by the block that holds them."""
 PROBE_ROWS = (1, 2, 5, 33)
-"""Row counts `fusion_is_exact` compares (33: past the packed kernel's exact chunk of 32 rows)."""
+"""Row counts `fusion_is_exact` compares (33: past the packed kernel's exact chunk of 32 rows); narrow products:
+every count they multiply weight-major, 1..narrow.MAX_ROWS."""
 
 
 def base_of(layer: nn.Module) -> nn.Module:
@@ -44,8 +50,8 @@ def base_of(layer: nn.Module) -> nn.Module:
 
 
 def kind_of(layer: nn.Module) -> str | None:
-    """"packed" or "int4" for the kernels that fuse, else None."""
-    return {PackedLinear: "packed", Int4Linear: "int4"}.get(type(layer))
+    """"packed", "int4" or "narrow" for the kernels that fuse, else None."""
+    return {PackedLinear: "packed", Int4Linear: "int4", NarrowLinear: "narrow"}.get(type(layer))
 
 
 class FusedProduct:
@@ -70,6 +76,8 @@ class FusedProduct:
         self.scales: torch.Tensor | None = None
         """int4: the blocks' scales and zeros, stacked."""
         self.bias: torch.Tensor | None = None
+        self.padded_rows: tuple[int, ...] = self.bases[0].padded_rows if kind == "narrow" else ()
+        """narrow: the members' row padding (`NarrowLinear.padded_rows`), which the stacked product keeps."""
 
     def members_of(self, layer: nn.Module) -> bool:
         """Whether `layer`'s block still holds these members (none was replaced, by an adapter say)."""
@@ -77,12 +85,14 @@ class FusedProduct:
         return all(getattr(block, name, None) is m for name, m in zip(FUSED_GROUPS[self.block], self.members))
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or torch.is_grad_enabled() or x.numel() == 0:
-            return tuple(m.forward(x) for m in self.members)  # what the members' own forwards fall back to
+        if not self.computes(x):
+            return tuple(m.forward(x) for m in self.members)  # what the members' own forwards compute then
         self.refresh()
         flat = x.reshape(-1, self.in_features)
         if self.kind == "packed":
             out = chunked_product(flat, self.weight, self.bias, self.rows)
+        elif self.kind == "narrow":
+            out = narrow_product(flat, self.weight, self.bias, self.padded_rows)
         else:
             out = torch._weight_int4pack_mm_for_cpu(flat.contiguous(), self.weight, GROUP, self.scales)
             if self.bias is not None:
@@ -91,6 +101,16 @@ class FusedProduct:
         for i, member in self.wrapped:
             member.add_update(x, parts[i])
         return parts
+
+    def computes(self, x: torch.Tensor) -> bool:
+        """Whether the fused kernel takes this input: an inference forward on the CPU of bf16 rows (packed, int4)
+        or of at most narrow.MAX_ROWS rows of the weights' dtype (narrow)."""
+        if x.device.type != "cpu" or torch.is_grad_enabled() or x.numel() == 0:
+            return False
+        if self.kind == "narrow":
+            rows = x.numel() // self.in_features
+            return x.dtype == self.bases[0]._parameters["weight"].dtype and rows <= NARROW_MAX_ROWS
+        return x.dtype == torch.bfloat16
 
     def refresh(self) -> None:
         """Bring the fused weights up to date with the members' (built on first use, rebuilt after a change)."""
@@ -118,6 +138,15 @@ class FusedProduct:
             for base in self.bases:  # the fused copy replaces theirs (rebuilt if a member is called alone)
                 base.packed_weight, base.packed_key = None, None
             return
+        if self.kind == "narrow":
+            with torch.inference_mode(False), torch.no_grad():  # a weight an inference tensor could not hold
+                self.weight = torch.cat([b._parameters["weight"].detach() for b in self.bases])
+                start = 0
+                for base, rows in zip(self.bases, self.splits):  # the members read their rows of the stacked weight
+                    base._parameters["weight"].data = self.weight[start:start + rows]
+                    start += rows
+            self.key = self._keys()  # the members' weights as they now stand
+            return
         self.weight = torch.cat([b._buffers["int4_weight"] for b in self.bases])  # packed row by row
         self.scales = torch.cat([b._buffers["int4_scales"] for b in self.bases], 1).contiguous()
         start = 0
@@ -139,8 +168,10 @@ def fuse(block: str, members: list[nn.Module]) -> FusedProduct | None:
         return None
     if len({(b.weight.device, b.weight.dtype) for b in bases}) != 1:
         return None
+    if kind == "narrow" and len({b.padded_rows for b in bases}) != 1:
+        return None
     shapes = tuple(b.out_features for b in bases)
-    if not fusion_is_exact(kind, bases[0].in_features, shapes, bases[0].bias is not None):
+    if not fusion_is_exact(kind, bases[0].in_features, shapes, bases[0].bias is not None, bases[0].weight.dtype):
         return None
     return FusedProduct(block, members, kind)
 
@@ -160,11 +191,22 @@ def fused_products(layer: nn.Module) -> dict[str, FusedProduct]:
 
 @functools.cache
 @torch.no_grad()
-def fusion_is_exact(kind: str, in_features: int, out_features: tuple[int, ...], bias: bool) -> bool:
+def fusion_is_exact(kind: str, in_features: int, out_features: tuple[int, ...], bias: bool,
+                    dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether one `kind` product over weights of these shapes stacked gives, bit for bit, each one's own product,
-    for every row count of PROBE_ROWS (random weights from a generator of its own; probed once per shape)."""
+    for every row count of PROBE_ROWS (narrow: 1..narrow.MAX_ROWS, in `dtype`, the weights' own; random weights
+    from a generator of its own; probed once per shape)."""
     generator = torch.Generator().manual_seed(0)
     total = sum(out_features)
+    if kind == "narrow":
+        weights = torch.randn(total, in_features, generator=generator).to(dtype)
+        stacked_bias = torch.randn(total, generator=generator).to(dtype) if bias else None
+        biases = stacked_bias.split(out_features) if bias else [None] * len(out_features)
+        x = torch.randn(NARROW_MAX_ROWS, in_features, generator=generator).to(dtype)
+        return all(torch.equal(torch.cat([narrow_product(x[:n], w, b, ()) for w, b in
+                                          zip(weights.split(out_features), biases)], -1),
+                               narrow_product(x[:n], weights, stacked_bias, ()))
+                   for n in range(1, NARROW_MAX_ROWS + 1))
     biases = torch.randn(total, generator=generator).to(torch.bfloat16) if bias else None
     x = torch.randn(max(PROBE_ROWS), in_features, generator=generator).to(torch.bfloat16)
     if kind == "packed":

@@ -44,17 +44,25 @@ class NarrowLinear(nn.Linear):
     """padded_rows[r]: the rows a product of r rows is computed with (zero rows added); r where absent."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if rows == 0 or rows > MAX_ROWS or x.dtype != self.weight.dtype:
-            return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(rows, x.shape[-1])
-        padded = self.padded_rows[rows] if rows < len(self.padded_rows) else rows
-        if padded > rows:
-            flat = torch.cat([flat, flat.new_zeros(padded - rows, flat.shape[1])])
-        out = _weight_major_product(self.weight, flat)[:rows]
-        if self.bias is not None:
-            out = out + self.bias
-        return out.view(*x.shape[:-1], self.out_features)
+        return narrow_product(x, self.weight, self.bias, self.padded_rows)
+
+
+def narrow_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   padded_rows: tuple[int, ...]) -> torch.Tensor:
+    """x @ weight.T (+ bias) as `NarrowLinear` computes it: weight-major for at most MAX_ROWS rows of the weight's
+    dtype, padded with zero rows to padded_rows[rows]; F.linear otherwise. (A fused narrow product, `model.fused`,
+    calls it with its members' weights stacked.)"""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows == 0 or rows > MAX_ROWS or x.dtype != weight.dtype:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1])
+    padded = padded_rows[rows] if rows < len(padded_rows) else rows
+    if padded > rows:
+        flat = torch.cat([flat, flat.new_zeros(padded - rows, flat.shape[1])])
+    out = _weight_major_product(weight, flat, rows)
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def plain_linears(model: nn.Module) -> list[nn.Linear]:
@@ -142,8 +150,10 @@ def _plain_product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-def _weight_major_product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return torch.mm(weight, x.t()).t().contiguous()
+def _weight_major_product(weight: torch.Tensor, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """(W @ x.T).T, its first `rows` rows (all: None) copied out alone (the rows of zero padding never are: a
+    transposed copy of a whole head's logits costs more than the rows wanted)."""
+    return torch.mm(weight, x.t()).t()[:rows].contiguous()
 
 
 def use_narrow_linears(model: nn.Module, force: bool | None = None,

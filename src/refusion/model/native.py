@@ -203,12 +203,12 @@ class NativeLayers:
         for member in product.members:
             self._base(member)
         product.refresh()
-        kind = KINDS[PackedLinear] if product.kind == "packed" else KINDS[Int4Linear]
+        kind = {"packed": KINDS[PackedLinear], "int4": KINDS[Int4Linear], "narrow": KINDS[NarrowLinear]}[product.kind]
         scales = product.scales if product.scales is not None else torch.empty(0)
-        rows = product.rows or ExactRows(0, 0)
+        rows = ExactRows(0, NARROW_MAX_ROWS) if product.kind == "narrow" else product.rows or ExactRows(0, 0)
         return self.extension.Product(kind, product.weight, scales, product.bias, rows.high, rows.low, GROUP,
                                       product.splits, self._updates(product.wrapped), torch.empty(0), torch.empty(0),
-                                      [])
+                                      list(product.padded_rows))
 
 
 def native_layers(compact) -> NativeLayers | None:

@@ -147,7 +147,7 @@ Tensor narrow_linear(const Tensor& x, const Product& p) {
   Tensor flat = x.reshape({rows, in});
   int64_t padded = rows < static_cast<int64_t>(p.padded_rows.size()) ? p.padded_rows[rows] : rows;
   if (padded > rows) flat = with_zero_rows(flat, padded);
-  Tensor out = at::mm(p.weight, flat.t()).t().contiguous().slice(0, 0, rows);
+  Tensor out = at::mm(p.weight, flat.t()).t().slice(0, 0, rows).contiguous();  // the padding's rows never copied
   if (p.bias) out = out + *p.bias;
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = p.weight.size(0);
