@@ -168,6 +168,9 @@ def test_fused_narrow_members_read_one_stacked_weight_and_still_save(tmp_path):
     stacked = product.weight.untyped_storage().data_ptr()
     assert all(m.weight.untyped_storage().data_ptr() == stacked for m in (attention.q_proj, attention.k_proj,
                                                                             attention.v_proj))
+    again = CompactForward(model, native=False)  # e.g. a decoder of a model refusion did not prepare
+    forwards(model, again)
+    assert again.fused[0]["self_attn"].weight.data_ptr() == product.weight.data_ptr()  # stacked once, not again
     attention.k_proj.weight.add_(0.5)  # written in place through a member
     x = torch.randn(2, HIDDEN)
     assert torch.equal(product(x)[1], attention.k_proj(x))

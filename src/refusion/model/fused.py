@@ -139,13 +139,16 @@ class FusedProduct:
                 base.packed_weight, base.packed_key = None, None
             return
         if self.kind == "narrow":
-            with torch.inference_mode(False), torch.no_grad():  # a weight an inference tensor could not hold
-                self.weight = torch.cat([b._parameters["weight"].detach() for b in self.bases])
-                start = 0
-                for base, rows in zip(self.bases, self.splits):  # the members read their rows of the stacked weight
-                    base._parameters["weight"].data = self.weight[start:start + rows]
-                    start += rows
-            self.key = self._keys()  # the members' weights as they now stand
+            weights = [b._parameters["weight"] for b in self.bases]
+            self.weight = stacked_rows(weights)  # stacked by an earlier product of these members: no copy
+            if self.weight is None:
+                with torch.inference_mode(False), torch.no_grad():  # a weight an inference tensor could not hold
+                    self.weight = torch.cat([w.detach() for w in weights])
+                    start = 0
+                    for weight, rows in zip(weights, self.splits):  # each member reads its rows of the stacked weight
+                        weight.data = self.weight[start:start + rows]
+                        start += rows
+                self.key = self._keys()  # the members' weights as they now stand
             return
         self.weight = torch.cat([b._buffers["int4_weight"] for b in self.bases])  # packed row by row
         self.scales = torch.cat([b._buffers["int4_scales"] for b in self.bases], 1).contiguous()
@@ -153,6 +156,19 @@ class FusedProduct:
         for base, rows in zip(self.bases, self.splits):  # the members read their rows of the fused weight
             base._buffers["int4_weight"] = self.weight[start:start + rows]
             start += rows
+
+
+def stacked_rows(weights: list[torch.Tensor]) -> torch.Tensor | None:
+    """The one tensor whose consecutive blocks of rows the 2-D `weights` are, in order (a narrow product's stacked
+    weight, which its members read), or None where they are not."""
+    first = weights[0]
+    offset = first.storage_offset()
+    for weight in weights:
+        if (not weight.is_contiguous() or weight.storage_offset() != offset
+                or weight.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            return None
+        offset += weight.numel()
+    return first.detach().as_strided((sum(w.shape[0] for w in weights), first.shape[1]), (first.shape[1], 1))
 
 
 def fuse(block: str, members: list[nn.Module]) -> FusedProduct | None:
