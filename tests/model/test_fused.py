@@ -25,15 +25,18 @@ HIDDEN = 128
 
 NARROW_PADDING = (0, 2, 2, 4, 4)
 """Row padding of the narrow kind's products in these tests (one row computed as two, three as four)."""
+NARROW_PACKED_FROM = 3
+"""The narrow kind's products of this many rows or more multiply by oneDNN-packed copies of the weights."""
 
 
 def model_with(kind: str, family: str = "llama", seed: int = 0):
     """A tiny bf16 model whose linear layers use `kind` (int4: random 4-bit blocks, the weights set to them), or
-    for "narrow" a tiny fp32 model multiplying weight-major, its products padded (`NARROW_PADDING`)."""
+    for "narrow" a tiny fp32 model multiplying weight-major, its products padded (`NARROW_PADDING`), and by packed
+    copies from NARROW_PACKED_FROM rows on."""
     if kind == "narrow":
         model = tiny_model(family, hidden_size=HIDDEN, heads=4, kv_heads=2, dtype=torch.float32, seed=seed,
                            attn_implementation="sdpa")
-        narrow.use_narrow_linears(model, force=True, padded_rows=NARROW_PADDING)
+        narrow.use_narrow_linears(model, force=True, padded_rows=NARROW_PADDING, packed_from=NARROW_PACKED_FROM)
         return model
     model = tiny_model(family, hidden_size=HIDDEN, heads=4, kv_heads=2, dtype=torch.bfloat16, seed=seed,
                        attn_implementation=row_exact.EXACT_ATTENTION)

@@ -38,6 +38,28 @@ def test_padded_narrow_products_compute_the_linear_map(rows):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@torch.no_grad()
+def test_products_from_packed_from_rows_on_take_the_packed_copy_and_follow_the_weight(monkeypatch):
+    torch.manual_seed(0)
+    layer = nn.Linear(24, 40)
+    layer.__class__ = NarrowLinear
+    layer.padded_rows, layer.packed_from = (0, 2, 2), 3
+    calls = []
+    product = narrow.packed_product
+    monkeypatch.setattr(narrow, "packed_product", lambda *args: calls.append(args[0].shape[0]) or product(*args))
+    for rows in (1, 2, 3, 5, narrow.MAX_ROWS + 8):  # wider than weight-major products: a prefill
+        x = torch.randn(1, rows, 24)
+        torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert calls == [3, 5, narrow.MAX_ROWS + 8]  # one and two rows stay weight-major
+    layer.weight.mul_(-1)  # written in place: packed again
+    x = torch.randn(4, 24)
+    torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    with torch.enable_grad():  # training takes the differentiable products
+        x.requires_grad_(True)
+        layer(x).sum().backward()
+    assert x.grad is not None and calls[-1] == 4
+
+
 def test_row_padding_picks_the_fastest_count_within_twice_the_rows():
     # times of 1..8 rows (ms) shaped like a 2-core AVX2 CPU's: odd counts up to 4 cost more than one row more
     times = [30.9, 22.0, 27.8, 22.3, 28.9, 35.6, 42.7, 37.5]

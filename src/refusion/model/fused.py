@@ -35,11 +35,20 @@ from refusion.model.gated_lora import MaskGatedLoRA
 from refusion.model.int4 import GROUP, STALE_BLOCKS, Int4Linear
 from refusion.model.narrow import MAX_ROWS as NARROW_MAX_ROWS
 from refusion.model.narrow import NarrowLinear, narrow_product
-from refusion.model.row_exact import PackedLinear, chunked_product, exact_rows, weight_key
+from refusion.model.row_exact import (
+    PackedLinear,
+    chunked_product,
+    exact_rows,
+    packed_product,
+    reorder_weight,
+    weight_key,
+)
 
 FUSED_GROUPS = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
 """Sub-layers of a decoder layer whose linear layers read the same input, by the block that holds them."""
 PROBE_ROWS = (1, 2, 5, 33)
+PACKED_PROBE_ROWS = (*range(1, 34), 64, 100)
+"""Row counts at which `fusion_is_exact` compares the packed copies of narrow products (any count takes them)."""
 """Row counts `fusion_is_exact` compares (33: past the packed kernel's exact chunk of 32 rows); narrow products:
 every count they multiply weight-major, 1..narrow.MAX_ROWS."""
 
@@ -78,6 +87,10 @@ class FusedProduct:
         self.bias: torch.Tensor | None = None
         self.padded_rows: tuple[int, ...] = self.bases[0].padded_rows if kind == "narrow" else ()
         """narrow: the members' row padding (`NarrowLinear.padded_rows`), which the stacked product keeps."""
+        self.packed_from: int = self.bases[0].packed_from if kind == "narrow" else 0
+        """narrow: the members' `NarrowLinear.packed_from`; products of that many rows or more (a prefill too)
+        multiply by `packed`, oneDNN's copy of the stacked weight."""
+        self.packed: torch.Tensor | None = None
 
     def members_of(self, layer: nn.Module) -> bool:
         """Whether `layer`'s block still holds these members (none was replaced, by an adapter say)."""
@@ -92,7 +105,7 @@ class FusedProduct:
         if self.kind == "packed":
             out = chunked_product(flat, self.weight, self.bias, self.rows)
         elif self.kind == "narrow":
-            out = narrow_product(flat, self.weight, self.bias, self.padded_rows)
+            out = narrow_product(flat, self.weight, self.bias, self.padded_rows, self.packed_from, self._packed)
         else:
             out = torch._weight_int4pack_mm_for_cpu(flat.contiguous(), self.weight, GROUP, self.scales)
             if self.bias is not None:
@@ -109,8 +122,12 @@ class FusedProduct:
             return False
         if self.kind == "narrow":
             rows = x.numel() // self.in_features
-            return x.dtype == self.bases[0]._parameters["weight"].dtype and rows <= NARROW_MAX_ROWS
+            return x.dtype == self.bases[0]._parameters["weight"].dtype and (rows <= NARROW_MAX_ROWS
+                                                                               or self.packed_from > 0)
         return x.dtype == torch.bfloat16
+
+    def _packed(self) -> torch.Tensor | None:
+        return self.packed
 
     def refresh(self) -> None:
         """Bring the fused weights up to date with the members' (built on first use, rebuilt after a change)."""
@@ -149,6 +166,10 @@ class FusedProduct:
                         weight.data = self.weight[start:start + rows]
                         start += rows
                 self.key = self._keys()  # the members' weights as they now stand
+            if self.packed_from:
+                self.packed = reorder_weight(self.weight)
+                for base in self.bases:  # the fused copy replaces theirs (rebuilt if a member is called alone)
+                    base.packed_weight, base.packed_key = None, None
             return
         self.weight = torch.cat([b._buffers["int4_weight"] for b in self.bases])  # packed row by row
         self.scales = torch.cat([b._buffers["int4_scales"] for b in self.bases], 1).contiguous()
@@ -184,10 +205,12 @@ def fuse(block: str, members: list[nn.Module]) -> FusedProduct | None:
         return None
     if len({(b.weight.device, b.weight.dtype) for b in bases}) != 1:
         return None
-    if kind == "narrow" and len({b.padded_rows for b in bases}) != 1:
+    if kind == "narrow" and len({(b.padded_rows, b.packed_from) for b in bases}) != 1:
         return None
     shapes = tuple(b.out_features for b in bases)
-    if not fusion_is_exact(kind, bases[0].in_features, shapes, bases[0].bias is not None, bases[0].weight.dtype):
+    packed = kind == "narrow" and bases[0].packed_from > 0
+    if not fusion_is_exact(kind, bases[0].in_features, shapes, bases[0].bias is not None, bases[0].weight.dtype,
+                           packed):
         return None
     return FusedProduct(block, members, kind)
 
@@ -208,21 +231,29 @@ def fused_products(layer: nn.Module) -> dict[str, FusedProduct]:
 @functools.cache
 @torch.no_grad()
 def fusion_is_exact(kind: str, in_features: int, out_features: tuple[int, ...], bias: bool,
-                    dtype: torch.dtype = torch.bfloat16) -> bool:
+                    dtype: torch.dtype = torch.bfloat16, packed: bool = False) -> bool:
     """Whether one `kind` product over weights of these shapes stacked gives, bit for bit, each one's own product,
-    for every row count of PROBE_ROWS (narrow: 1..narrow.MAX_ROWS, in `dtype`, the weights' own; random weights
-    from a generator of its own; probed once per shape)."""
+    for every row count of PROBE_ROWS (narrow: 1..narrow.MAX_ROWS, in `dtype`, the weights' own, and with `packed`
+    the products of oneDNN-packed copies too, at PACKED_PROBE_ROWS; random weights from a generator of its own;
+    probed once per shape)."""
     generator = torch.Generator().manual_seed(0)
     total = sum(out_features)
     if kind == "narrow":
         weights = torch.randn(total, in_features, generator=generator).to(dtype)
         stacked_bias = torch.randn(total, generator=generator).to(dtype) if bias else None
         biases = stacked_bias.split(out_features) if bias else [None] * len(out_features)
-        x = torch.randn(NARROW_MAX_ROWS, in_features, generator=generator).to(dtype)
-        return all(torch.equal(torch.cat([narrow_product(x[:n], w, b, ()) for w, b in
+        x = torch.randn(max(PACKED_PROBE_ROWS), in_features, generator=generator).to(dtype)
+        if not all(torch.equal(torch.cat([narrow_product(x[:n], w, b, ()) for w, b in
                                           zip(weights.split(out_features), biases)], -1),
                                narrow_product(x[:n], weights, stacked_bias, ()))
-                   for n in range(1, NARROW_MAX_ROWS + 1))
+                   for n in range(1, NARROW_MAX_ROWS + 1)):
+            return False
+        if not packed:
+            return True
+        alone = [reorder_weight(w.contiguous()) for w in weights.split(out_features)]
+        together = reorder_weight(weights)
+        return all(torch.equal(torch.cat([packed_product(x[:n], w, b) for w, b in zip(alone, biases)], -1),
+                               packed_product(x[:n], together, stacked_bias)) for n in PACKED_PROBE_ROWS)
     biases = torch.randn(total, generator=generator).to(torch.bfloat16) if bias else None
     x = torch.randn(max(PROBE_ROWS), in_features, generator=generator).to(torch.bfloat16)
     if kind == "packed":

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from refusion.model.row_exact import MAX_PACKED_BYTES, packed_copy, packed_product, reorder_weight
+
 MAX_ROWS = 32
 """Forwards of up to this many rows (batch x tokens) multiply weight-major; wider ones use F.linear."""
 PROBE_ROWS = 4
@@ -35,6 +37,11 @@ PAD_PROBE_ROWS = 8
 """Row counts 1..this are timed to choose the padding of narrow products; wider ones are never padded."""
 MIN_PAD_GAIN = 1.1
 """A product is padded to more rows only when those are at least this much faster."""
+PACKED_PROBE_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32)
+"""Row counts at which `packed_rows_from` times oneDNN's packed products against the weight-major ones."""
+MIN_PACKED_GAIN = 1.1
+"""Products from some row count on use the packed copy only where it is at least this much faster at every
+probed count from there."""
 
 
 class NarrowLinear(nn.Linear):
@@ -43,17 +50,36 @@ class NarrowLinear(nn.Linear):
     padded_rows: tuple[int, ...] = ()
     """padded_rows[r]: the rows a product of r rows is computed with (zero rows added); r where absent."""
 
+    packed_from: int = 0
+    """Inference products of at least this many rows (any number, a prefill too) multiply by a oneDNN-packed copy
+    of the weight (`packed_weight`), where `packed_rows_from` found it faster; 0: never."""
+
+    packed_weight: torch.Tensor | None = None
+    """The oneDNN-packed copy of the weight (`row_exact.packed_copy`), built on first use."""
+
+    packed_key: tuple | None = None
+    """(data pointer, version) of the weight `packed_weight` was packed from."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return narrow_product(x, self.weight, self.bias, self.padded_rows)
+        return narrow_product(x, self.weight, self.bias, self.padded_rows, self.packed_from, self._packed)
+
+    def _packed(self) -> torch.Tensor:
+        """The packed weight, rebuilt when the parameter was written or replaced since it was packed."""
+        return packed_copy(self, reorder_weight)
 
 
-def narrow_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   padded_rows: tuple[int, ...]) -> torch.Tensor:
-    """x @ weight.T (+ bias) as `NarrowLinear` computes it: weight-major for at most MAX_ROWS rows of the weight's
-    dtype, padded with zero rows to padded_rows[rows]; F.linear otherwise. (A fused narrow product, `model.fused`,
-    calls it with its members' weights stacked.)"""
+def narrow_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, padded_rows: tuple[int, ...],
+                   packed_from: int = 0, packed=None) -> torch.Tensor:
+    """x @ weight.T (+ bias) as `NarrowLinear` computes it, for inputs of the weight's dtype: by the packed copy
+    (`packed()`) from `packed_from` rows on in inference (0: never), else weight-major for at most MAX_ROWS rows,
+    padded with zero rows to padded_rows[rows]; F.linear otherwise. (A fused narrow product, `model.fused`, calls it
+    with its members' weights stacked.)"""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows == 0 or rows > MAX_ROWS or x.dtype != weight.dtype:
+    if rows == 0 or x.dtype != weight.dtype:
+        return F.linear(x, weight, bias)
+    if 0 < packed_from <= rows and not torch.is_grad_enabled() and x.device.type == "cpu":
+        return packed_product(x.reshape(rows, x.shape[-1]), packed(), bias).view(*x.shape[:-1], weight.shape[0])
+    if rows > MAX_ROWS:
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
     padded = padded_rows[rows] if rows < len(padded_rows) else rows
@@ -156,11 +182,48 @@ def _weight_major_product(weight: torch.Tensor, x: torch.Tensor, rows: int | Non
     return torch.mm(weight, x.t()).t()[:rows].contiguous()
 
 
+@torch.inference_mode()
+def packed_rows_from(layers: list[nn.Linear], padded_rows: tuple[int, ...], repeats: int = 3) -> int:
+    """The fewest rows from which products by oneDNN-packed copies of the weights beat the weight-major ones (padded
+    as `padded_rows` says) by MIN_PACKED_GAIN at every count of PACKED_PROBE_ROWS from there, timed through every
+    layer in turn (the fastest of interleaved repeats); 0 where no such count is, or this torch cannot pack."""
+    try:
+        pairs = [(layer.weight, reorder_weight(layer.weight.detach())) for layer in layers]
+    except (AttributeError, RuntimeError):
+        return 0  # no oneDNN in this build, or none for this dtype
+    inputs = _probe_inputs(layers, 2 * max(PACKED_PROBE_ROWS), "packed_rows_from")
+
+    def seconds(rows: int, packed: bool) -> float:
+        padded = padded_rows[rows] if rows < len(padded_rows) else rows
+        start = time.perf_counter()
+        for weight, copy in pairs:
+            x = inputs[weight.shape[1], weight.dtype]
+            if packed:
+                packed_product(x[:rows], copy, None)
+            else:
+                _weight_major_product(weight, x[:padded], rows)
+        return time.perf_counter() - start
+
+    faster = []
+    for rows in PACKED_PROBE_ROWS:
+        major, packed = [], []
+        for _ in range(repeats):
+            major.append(seconds(rows, packed=False))
+            packed.append(seconds(rows, packed=True))
+        faster.append(min(packed) * MIN_PACKED_GAIN <= min(major))
+    for i, rows in enumerate(PACKED_PROBE_ROWS):
+        if all(faster[i:]):
+            return rows
+    return 0
+
+
 def use_narrow_linears(model: nn.Module, force: bool | None = None,
-                       padded_rows: tuple[int, ...] | None = None) -> int:
+                       padded_rows: tuple[int, ...] | None = None, packed_from: int | None = None) -> int:
     """Make the plain linear layers of a CPU model multiply weight-major in narrow forwards, when that is faster
     here (force=True: always; False: never), with the row padding the probe finds fastest (or `padded_rows`, see
-    NarrowLinear). Returns how many layers were switched."""
+    NarrowLinear), and by oneDNN-packed copies of the weights from the row count where the probe finds those faster
+    (or from `packed_from`; by the probe only for a model whose weights fit MAX_PACKED_BYTES, as the copies double
+    them; with force=True only where given). Returns how many layers were switched."""
     layers = plain_linears(model)
     if not layers or force is False:
         return 0
@@ -174,8 +237,12 @@ def use_narrow_linears(model: nn.Module, force: bool | None = None,
             return 0
         if padded_rows is None:
             padded_rows = row_padding(weight_major_row_times(probed))
+        if packed_from is None and _bytes(layers) <= MAX_PACKED_BYTES:
+            packed_from = packed_rows_from(probed, padded_rows or ())
     for layer in layers:
         layer.__class__ = NarrowLinear
         if padded_rows:
             layer.padded_rows = padded_rows
+        if packed_from:
+            layer.packed_from = packed_from
     return len(layers)

@@ -193,7 +193,8 @@ class NativeLayers:
         elif kind == KINDS[Int4Linear]:
             weight, _, scales = base.blocks()
         elif kind == KINDS[NarrowLinear]:
-            rows, padded = NARROW_MAX_ROWS, list(base.padded_rows)
+            rows, low_rows, padded = NARROW_MAX_ROWS, base.packed_from, list(base.padded_rows)
+            packed = base._packed() if base.packed_from else packed
         return self.extension.Product(kind, weight, scales, bias, rows, low_rows, GROUP, [base.out_features],
                                       self._updates([(0, member)] if member is not base else []), packed, exact,
                                       padded)
@@ -205,9 +206,13 @@ class NativeLayers:
         product.refresh()
         kind = {"packed": KINDS[PackedLinear], "int4": KINDS[Int4Linear], "narrow": KINDS[NarrowLinear]}[product.kind]
         scales = product.scales if product.scales is not None else torch.empty(0)
-        rows = ExactRows(0, NARROW_MAX_ROWS) if product.kind == "narrow" else product.rows or ExactRows(0, 0)
+        if product.kind == "narrow":  # low: the rows from which the packed copy multiplies (0: none)
+            rows = ExactRows(product.packed_from, NARROW_MAX_ROWS)
+        else:
+            rows = product.rows or ExactRows(0, 0)
+        packed = product.packed if product.packed is not None else torch.empty(0)
         return self.extension.Product(kind, product.weight, scales, product.bias, rows.high, rows.low, GROUP,
-                                      product.splits, self._updates(product.wrapped), torch.empty(0), torch.empty(0),
+                                      product.splits, self._updates(product.wrapped), packed, torch.empty(0),
                                       list(product.padded_rows))
 
 

@@ -47,11 +47,12 @@ struct Product {
   Tensor scales;                // int4: the blocks' scales and zeros
   c10::optional<Tensor> bias;
   int64_t rows;                 // packed: rows per exact chunk (row_exact.ExactRows.high); narrow: narrow.MAX_ROWS
-  int64_t low_rows;             // packed: narrower products padded with zero rows to this many (ExactRows.low)
+  int64_t low_rows;             // packed: narrower products padded with zero rows to this many (ExactRows.low);
+                                // narrow: products of this many rows or more by `packed` (0: never)
   int64_t group;                // int4: weights per block
   std::vector<int64_t> splits;  // the members' output features
   std::vector<Update> updates;
-  Tensor packed;                // sgemm: the MKL-packed weight
+  Tensor packed;                // sgemm: the MKL-packed weight; narrow: the oneDNN-packed one
   Tensor exact;                 // sgemm: uint8 [thread counts, row counts], shared with the Python layers
   std::vector<int64_t> padded_rows;  // narrow: padded_rows[r], the rows a product of r rows is computed with
 };
@@ -139,11 +140,18 @@ Tensor sgemm_linear(const Tensor& x, const Product& p) {
   return sgemm_product(x.reshape({rows, x.size(-1)}), p).view(shape);
 }
 
-// narrow.NarrowLinear.forward: products of at most p.rows rows (of the weight's dtype) weight-major, padded with
-// zero rows to padded_rows[rows]; wider ones F.linear
+// narrow.narrow_product: products of p.low_rows rows or more (of the weight's dtype) by the oneDNN-packed weight
+// where there is one; else of at most p.rows rows weight-major, padded with zero rows to padded_rows[rows]; wider
+// ones F.linear
 Tensor narrow_linear(const Tensor& x, const Product& p) {
   int64_t in = x.size(-1), rows = in ? x.numel() / in : 0;
-  if (rows == 0 || rows > p.rows || x.scalar_type() != p.weight.scalar_type()) return at::linear(x, p.weight, p.bias);
+  if (rows == 0 || x.scalar_type() != p.weight.scalar_type()) return at::linear(x, p.weight, p.bias);
+  if (p.low_rows > 0 && rows >= p.low_rows) {
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape.back() = p.weight.size(0);
+    return packed_product(x.reshape({rows, in}), p.packed, p.bias).view(shape);
+  }
+  if (rows > p.rows) return at::linear(x, p.weight, p.bias);
   Tensor flat = x.reshape({rows, in});
   int64_t padded = rows < static_cast<int64_t>(p.padded_rows.size()) ? p.padded_rows[rows] : rows;
   if (padded > rows) flat = with_zero_rows(flat, padded);
