@@ -193,7 +193,7 @@ def prepare(model, tokenizer=None, *, directory: str | Path | None = None, linea
 def choose_linear_kernel(model, linear: str, weights_file: str | Path | None = None) -> tuple[str, str]:
     """Switch the model's plain linear layers to the kernel `linear` asks for ("auto": by measurement); returns
     (the kernel, why)."""
-    from refusion.model.narrow import use_narrow_linears
+    from refusion.model.narrow import NarrowLinear, use_narrow_linears
     from refusion.model.row_exact import use_packed_linears
     from refusion.model.sgemm import use_sgemm_linears
 
@@ -216,8 +216,11 @@ def choose_linear_kernel(model, linear: str, weights_file: str | Path | None = N
         raise ValueError("linear='sgemm' needs fp32 weights on a CPU whose torch has MKL (this model or this "
                          "machine has neither); use 'auto', 'plain' or 'narrow'")
     if use_narrow_linears(model, force=True if linear == "narrow" else None):
-        return "narrow", ("pinned by the caller" if linear == "narrow" else
-                          "the probe measured few-token products faster weight-major on this CPU")
+        if linear == "narrow":
+            return "narrow", "pinned by the caller"
+        packed_from = next(m.packed_from for m in model.modules() if isinstance(m, NarrowLinear))
+        return "narrow", ("the probe measured few-token products faster weight-major on this CPU"
+                          + (f", and from {packed_from} rows by weights packed once for oneDNN" if packed_from else ""))
     if linear == "auto" and use_sgemm_linears(model):
         return "sgemm", "fp32 on a CPU with MKL: weights packed once, products F.linear's bits (measured faster)"
     return "plain", ("not a CPU model, its weights fit in the CPU cache, or weight-major and packed products "
