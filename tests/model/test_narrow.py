@@ -60,6 +60,16 @@ def test_products_from_packed_from_rows_on_take_the_packed_copy_and_follow_the_w
     assert x.grad is not None and calls[-1] == 4
 
 
+def test_packed_copies_from_the_fewest_rows_where_they_win_at_every_count_after():
+    # ms through every layer at 1-8, 16 and 32 rows, shaped like a 2-core AVX-512 EPYC's (E4)
+    major = [14.6, 14.6, 22.2, 23.0, 27.6, 32.7, 38.7, 37.0, 48.1, 68.5]
+    packed = [18.6, 20.7, 16.0, 15.2, 16.5, 17.0, 18.0, 19.1, 24.8, 40.7]
+    assert narrow.packed_from_times(major, packed) == 3
+    assert narrow.packed_from_times(major, packed[:3] + [22.0] + packed[4:]) == 5  # 4 rows within the gain
+    assert narrow.packed_from_times(major, packed[:-1] + [70.0]) == 0  # losing at 32 rows: never
+    assert narrow.packed_from_times(major, packed, min_gain=3.0) == 0
+
+
 def test_row_padding_picks_the_fastest_count_within_twice_the_rows():
     # times of 1..8 rows (ms) shaped like a 2-core AVX2 CPU's: odd counts up to 4 cost more than one row more
     times = [30.9, 22.0, 27.8, 22.3, 28.9, 35.6, 42.7, 37.5]

@@ -21,7 +21,10 @@ weight is refused as `Int4Linear` refuses it. Weight-major narrow products (`mod
 native bf16) fuse the same way: the members' weights become row slices of the stacked one (one copy, as for
 int4; a member written in place writes the stacked weight, and a replaced one is stacked again), which the fused
 product multiplies in forwards of at most `narrow.MAX_ROWS` rows, padded as the members pad theirs; wider
-forwards (a prefill) take the members' own products. Plain fp32 products are left as they are.
+forwards (a prefill) take the members' own products. Where the members multiply by oneDNN-packed copies from some
+row count on (`NarrowLinear.packed_from`), the fused product packs the stacked weight once instead (the members
+drop their copies) and takes every forward from that count on, a prefill too. Plain fp32 products are left as they
+are.
 """
 
 from __future__ import annotations
@@ -47,10 +50,10 @@ from refusion.model.row_exact import (
 FUSED_GROUPS = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
 """Sub-layers of a decoder layer whose linear layers read the same input, by the block that holds them."""
 PROBE_ROWS = (1, 2, 5, 33)
-PACKED_PROBE_ROWS = (*range(1, 34), 64, 100)
-"""Row counts at which `fusion_is_exact` compares the packed copies of narrow products (any count takes them)."""
 """Row counts `fusion_is_exact` compares (33: past the packed kernel's exact chunk of 32 rows); narrow products:
 every count they multiply weight-major, 1..narrow.MAX_ROWS."""
+PACKED_PROBE_ROWS = (*range(1, 34), 64, 100)
+"""Row counts at which `fusion_is_exact` compares the packed copies of narrow products (any count takes them)."""
 
 
 def base_of(layer: nn.Module) -> nn.Module:
@@ -117,7 +120,7 @@ class FusedProduct:
 
     def computes(self, x: torch.Tensor) -> bool:
         """Whether the fused kernel takes this input: an inference forward on the CPU of bf16 rows (packed, int4)
-        or of at most narrow.MAX_ROWS rows of the weights' dtype (narrow)."""
+        or of at most narrow.MAX_ROWS rows of the weights' dtype (narrow; any number with packed copies)."""
         if x.device.type != "cpu" or torch.is_grad_enabled() or x.numel() == 0:
             return False
         if self.kind == "narrow":
@@ -127,6 +130,7 @@ class FusedProduct:
         return x.dtype == torch.bfloat16
 
     def _packed(self) -> torch.Tensor | None:
+        """narrow: the packed copy of the stacked weight (built with it)."""
         return self.packed
 
     def refresh(self) -> None:

@@ -49,7 +49,8 @@ probed count from there."""
 
 
 class NarrowLinear(nn.Linear):
-    """nn.Linear whose forward of at most MAX_ROWS rows computes (W @ x.T).T."""
+    """nn.Linear whose forward of at most MAX_ROWS rows computes (W @ x.T).T, and of `packed_from` rows or more
+    (where set) multiplies by a oneDNN-packed copy of the weight."""
 
     padded_rows: tuple[int, ...] = ()
     """padded_rows[r]: the rows a product of r rows is computed with (zero rows added); r where absent."""
@@ -75,13 +76,15 @@ class NarrowLinear(nn.Linear):
 def narrow_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, padded_rows: tuple[int, ...],
                    packed_from: int = 0, packed=None) -> torch.Tensor:
     """x @ weight.T (+ bias) as `NarrowLinear` computes it, for inputs of the weight's dtype: by the packed copy
-    (`packed()`) from `packed_from` rows on in inference (0: never), else weight-major for at most MAX_ROWS rows,
+    (`packed()`) from `packed_from` rows on in eager inference (0: never; compiled forwards keep the products they
+    were compiled with), else weight-major for at most MAX_ROWS rows,
     padded with zero rows to padded_rows[rows]; F.linear otherwise. (A fused narrow product, `model.fused`, calls it
     with its members' weights stacked.)"""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if rows == 0 or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
-    if 0 < packed_from <= rows and not torch.is_grad_enabled() and x.device.type == "cpu":
+    if (0 < packed_from <= rows and not torch.is_grad_enabled() and x.device.type == "cpu"
+            and not torch.compiler.is_compiling()):
         return packed_product(x.reshape(rows, x.shape[-1]), packed(), bias).view(*x.shape[:-1], weight.shape[0])
     if rows > MAX_ROWS:
         return F.linear(x, weight, bias)
@@ -208,13 +211,21 @@ def packed_rows_from(layers: list[nn.Linear], padded_rows: tuple[int, ...], repe
                 _weight_major_product(weight, x[:padded], rows)
         return time.perf_counter() - start
 
-    faster = []
+    major, packed = [], []
     for rows in PACKED_PROBE_ROWS:
-        major, packed = [], []
+        times = {False: [], True: []}
         for _ in range(repeats):
-            major.append(seconds(rows, packed=False))
-            packed.append(seconds(rows, packed=True))
-        faster.append(min(packed) * MIN_PACKED_GAIN <= min(major))
+            for form in times:
+                times[form].append(seconds(rows, packed=form))
+        major.append(min(times[False]))
+        packed.append(min(times[True]))
+    return packed_from_times(major, packed)
+
+
+def packed_from_times(major: list[float], packed: list[float], min_gain: float = MIN_PACKED_GAIN) -> int:
+    """From the times of weight-major and packed products at PACKED_PROBE_ROWS: the fewest of those rows from which
+    the packed ones are at least min_gain faster at every probed count; 0 where none is."""
+    faster = [p * min_gain <= m for m, p in zip(major, packed, strict=True)]
     for i, rows in enumerate(PACKED_PROBE_ROWS):
         if all(faster[i:]):
             return rows
