@@ -15,7 +15,7 @@ forward of one row cost 1.15x one of two, three rows 1.11x four), so the probe a
 padded with zero rows up to the count that is fastest, where that saves at least `MIN_PAD_GAIN`.
 
 Weight-major is the cheap form for one or two rows, not for more: where oneDNN's fp32 kernel over a weight packed
-once into its layout beats it from some row count on (`packed_rows_from`; 3 rows on a 2-core AVX-512 EPYC, 1.4-1.9x
+once into its layout beats it from some row count on (`packed_rows_from`; 3-5 rows on a 2-core AVX-512 EPYC, 1.4-1.9x
 faster up to a prefill), products of that many rows or more multiply by such a copy (`NarrowLinear.packed_from`).
 """
 
