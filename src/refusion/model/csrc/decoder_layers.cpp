@@ -146,19 +146,15 @@ Tensor sgemm_linear(const Tensor& x, const Product& p) {
 Tensor narrow_linear(const Tensor& x, const Product& p) {
   int64_t in = x.size(-1), rows = in ? x.numel() / in : 0;
   if (rows == 0 || x.scalar_type() != p.weight.scalar_type()) return at::linear(x, p.weight, p.bias);
-  if (p.low_rows > 0 && rows >= p.low_rows) {
-    std::vector<int64_t> shape = x.sizes().vec();
-    shape.back() = p.weight.size(0);
-    return packed_product(x.reshape({rows, in}), p.packed, p.bias).view(shape);
-  }
-  if (rows > p.rows) return at::linear(x, p.weight, p.bias);
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = p.weight.size(0);
   Tensor flat = x.reshape({rows, in});
+  if (p.low_rows > 0 && rows >= p.low_rows) return packed_product(flat, p.packed, p.bias).view(shape);
+  if (rows > p.rows) return at::linear(x, p.weight, p.bias);
   int64_t padded = rows < static_cast<int64_t>(p.padded_rows.size()) ? p.padded_rows[rows] : rows;
   if (padded > rows) flat = with_zero_rows(flat, padded);
   Tensor out = at::mm(p.weight, flat.t()).t().slice(0, 0, rows).contiguous();  // the padding's rows never copied
   if (p.bias) out = out + *p.bias;
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.back() = p.weight.size(0);
   return out.view(shape);
 }
 
