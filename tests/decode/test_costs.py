@@ -110,7 +110,7 @@ def test_the_probe_times_decoding_forwards_after_a_cached_context(monkeypatch):
     def spy(self, cache, input_ids, positions, *args):
         seen.append((input_ids.shape[1], int(positions[0, 0]), cache.committed[0]))
         logits, seconds = forward(self, cache, input_ids, positions, *args)
-        assert logits.shape[1] == input_ids.shape[1]  # every row's logits, as a verify forward returns
+        assert logits[0].shape[0] == input_ids.shape[1]  # every row's logits, as a verify forward returns
         return logits, seconds
 
     monkeypatch.setattr(CachedForward, "__call__", spy)

@@ -7,7 +7,8 @@ import torch
 
 import refusion
 from refusion.decode.cache import PADDING, SlotCache, attention_mask_dtype, attention_windows, cache_keyword
-from refusion.model.compact import CompactForward, compact_forward
+from refusion.model import narrow
+from refusion.model.compact import CompactForward, Ragged, compact_forward
 from refusion.model.row_exact import EXACT_ATTENTION, packing_available, use_packed_linears
 from refusion.model.setup import setup_of
 from refusion.model.tiny import tiny_model
@@ -39,6 +40,79 @@ def forwards(model, run, kv_dtype: torch.dtype | None = None) -> list[torch.Tens
             out.append(run(ids, positions, mask, cache, ids.shape[1]))
         cache.end_forward()
     return out
+
+
+def real_rows(model, run, ragged: bool, kv_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """The logits of every real token of three forwards of two rows, two of them padded (a prompt beside a shorter
+    one; a mask and a token beside one token), each forward run padded or (`ragged`) over its real rows alone
+    (`Ragged`): one [tokens, V] tensor per row and forward."""
+    cache = new_cache(model, kv_dtype)
+    for row in range(2):
+        cache.add_sequence(row)
+    out = []
+    steps = [(torch.tensor([[5, 9, 11, 4, 7], [0, 0, 3, 8, 6]]), torch.tensor([[0, 1, 2, 3, 4], [0, 0, 0, 1, 2]]),
+              torch.tensor([[0] * 5, [PADDING, PADDING, 0, 0, 0]])),
+             (torch.tensor([[12, 13, 63], [14, 63, 63]]), torch.tensor([[5, 6, 7], [3, 4, 5]]),
+              torch.tensor([[0, 0, 1], [0, 1, 1]])),
+             (torch.tensor([[21, 63], [0, 22]]), torch.tensor([[8, 9], [0, 6]]), torch.tensor([[2, 3], [PADDING, 2]]))]
+    for ids, positions, groups in steps:
+        counts = (groups != PADDING).sum(1).tolist()
+        width = ids.shape[1]
+        mask = cache.begin_forward(groups, positions, counts=counts)
+        with torch.inference_mode():
+            if ragged and sum(counts) < ids.numel():
+                out += run(ids, positions, mask, cache, width, Ragged.of(counts, counts, width, "cpu"))[0].split(counts)
+            else:
+                logits = run(ids, positions, mask, cache, width)
+                out += [logits[b, width - n:] for b, n in enumerate(counts)]
+        cache.end_forward()
+    return out
+
+
+def test_the_ragged_layout_of_a_left_padded_forward():
+    layout = Ragged.of([3, 1, 2], [2, 1, 2], 3, "cpu")
+    assert layout.real.tolist() == [0, 1, 2, 5, 7, 8]  # row b's tokens end at (b + 1) * width
+    assert layout.keep.tolist() == [1, 2, 3, 4, 5]  # the last needs[b] of each row's real tokens
+    padded = torch.arange(9.0).view(3, 3, 1)
+    assert layout.gather(padded).flatten().tolist() == [0, 1, 2, 5, 7, 8]
+    assert layout.scatter(layout.gather(padded)).flatten().tolist() == [0, 1, 2, 0, 0, 5, 0, 7, 8]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_padded_batch_computes_its_real_rows_alone(family):
+    """Run over its real rows alone (products, norms and MLPs; attention over the padded layout), a padded forward
+    gives every real token its logits: bit for bit where every row is computed as alone (row-exact bf16), to
+    rounding in fp32 (products of other row counts)."""
+    fp32 = tiny_model(family, seed=3, attn_implementation="sdpa")
+    for ours, theirs in zip(real_rows(fp32, CompactForward(fp32, native=False), True),
+                            real_rows(fp32, CompactForward(fp32, native=False), False), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+    if not packing_available():
+        return
+    exact = tiny_model(family, dtype=torch.bfloat16, seed=3, attn_implementation=EXACT_ATTENTION)
+    use_packed_linears(exact)
+    kv_dtype = torch.float64
+    for ours, theirs in zip(real_rows(exact, CompactForward(exact, native=False), True, kv_dtype),
+                            real_rows(exact, CompactForward(exact, native=False), False, kv_dtype), strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_a_model_refusion_did_not_prepare_builds_its_forward_once(monkeypatch):
+    """Decoders of an unprepared model share its compact forward (its fused weights stacked and packed once), until
+    a linear layer is switched to another kernel or replaced."""
+    built = []
+    init = CompactForward.__init__
+    monkeypatch.setattr(CompactForward, "__init__", lambda self, *a, **k: built.append(self) or init(self, *a, **k))
+    model = tiny_model("llama", hidden_size=128, heads=4, kv_heads=2, seed=2, attn_implementation="sdpa")
+    cfg = refusion.DecodeConfig(strategy="autoregressive", max_new_tokens=4, eos_token_id=[])
+    first = refusion.generate(model, [[5, 9, 11]], cfg).sequences
+    assert refusion.generate(model, [[5, 9, 11]], cfg).sequences == first
+    assert len(built) == 1 and compact_forward(model) is built[0] and built[0].fused[0] == {}
+    narrow.use_narrow_linears(model, force=True, packed_from=3)  # the layers switch kernel: q/k/v and gate/up fuse
+    assert refusion.generate(model, [[5, 9, 11]], cfg).sequences == first
+    assert len(built) == 2 and set(built[1].fused[0]) == {"self_attn", "mlp"}
+    model.model.layers[0].mlp.down_proj = torch.nn.Linear(256, 128, bias=False)  # a replaced layer
+    assert compact_forward(model) is not built[1]
 
 
 def transformers_run(model):

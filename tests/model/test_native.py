@@ -13,7 +13,7 @@ from refusion.model.compact import CompactForward, compact_forward
 from refusion.model.setup import setup_of
 from refusion.model.tiny import tiny_model
 
-from .test_compact import FAMILIES, forwards, new_cache
+from .test_compact import FAMILIES, forwards, new_cache, real_rows
 from .test_fused import KINDS, gate_adapters, model_with
 
 ATTENTIONS = [row_exact.EXACT_ATTENTION, "sdpa"]
@@ -177,6 +177,23 @@ def test_mask_gated_updates_land_where_the_python_loop_puts_them(kind, gated, mo
     if not gated:  # the listed-rows path (wide forwards) instead of every row times the gate
         monkeypatch.setattr(gated_lora, "MAX_ROWS", 0)
     assert_same(fp64_forwards(model, native_run(model)), fp64_forwards(model, python_run(model)))
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("kind", [*KINDS, "plain"])
+def test_padded_forwards_of_real_rows_alone_give_the_python_loops_bits(kind, gated, monkeypatch):
+    """A padded forward run over its real rows alone (`compact.Ragged`: the C++ layers scatter q/k/v into the
+    padded layout for attention and gather its output back), with mask-gated updates at the masks among them."""
+    model = (exact_model("qwen3", seed=4) if kind == "plain"  # q/k norms: the unfused path of q and k
+             else model_with(kind, "qwen2", seed=3))
+    gate_adapters(model)
+    if not gated:
+        monkeypatch.setattr(gated_lora, "MAX_ROWS", 0)
+    kv_dtype = row_exact.cache_dtype(model)
+    ours = real_rows(model, native_run(model), True, kv_dtype)
+    assert_same(ours, real_rows(model, python_run(model), True, kv_dtype))
+    if kind in ("packed", "int4"):  # every row computed as alone: as the padded forward computes them
+        assert_same(ours, real_rows(model, python_run(model), False, kv_dtype))
 
 
 @pytest.mark.parametrize("attention", ATTENTIONS)

@@ -96,7 +96,7 @@ def measure(model, setup, widths: tuple[int, ...] = PROBE_WIDTHS, repeats: int =
     def forward(start: int, width: int) -> float:  # logits of every row, as a decoding forward of drafts has
         positions = torch.arange(start, start + width, device=device)[None]
         begin = time.perf_counter()
-        run(cache, ids[None, start: start + width], positions, torch.zeros_like(positions), None, [width], width)
+        run(cache, ids[None, start: start + width], positions, torch.zeros_like(positions), None, [width], [width])
         return time.perf_counter() - begin
 
     if forward(0, 1) > MAX_PROBE_SECONDS:

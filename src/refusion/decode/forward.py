@@ -14,7 +14,7 @@ import torch
 
 from refusion.decode.cache import SlotCache, attention_mask_dtype, attention_windows, cache_keyword
 from refusion.decode.compiled import run_compiled, static_capacity
-from refusion.model.compact import compact_forward
+from refusion.model.compact import Ragged, compact_forward
 from refusion.model.row_exact import cache_dtype
 
 
@@ -51,14 +51,20 @@ class CachedForward:
                          kv_dtype=None if static else cache_dtype(model))
 
     def __call__(self, cache: SlotCache, input_ids: torch.Tensor, positions: torch.Tensor, groups: torch.Tensor,
-                 lower_upto: torch.Tensor | None, counts: list[int], keep: int,
-                 bucket: int | None = None) -> tuple[torch.Tensor, float]:
-        """(logits [B, keep, V] of the last `keep` tokens, seconds in the model's forward): one forward of the
-        [B, W] inputs (`counts`: each row's real tokens; `bucket`: the compiled width they were padded to)."""
+                 lower_upto: torch.Tensor | None, counts: list[int], needs: list[int],
+                 bucket: int | None = None) -> tuple[list[torch.Tensor], float]:
+        """(each row's logits [needs[b], V] of its last needs[b] tokens, seconds in the model's forward): one
+        forward of the [B, W] inputs, right-aligned (`counts`: each row's real tokens; `bucket`: the compiled width
+        they were padded to). The compact forward computes a padded batch's real rows alone (`compact.Ragged`)."""
         mask = cache.begin_forward(groups, positions, lower_upto, counts)
+        keep = max(needs)
         kwargs = {"logits_to_keep": bucket or keep} if self._logits_to_keep else {}  # compiled: fixed
+        batch, width = input_ids.shape
         start = time.perf_counter()
-        if self.compact is not None:
+        if self.compact is not None and sum(counts) < batch * width:
+            ragged = Ragged.of(counts, needs, width, self.device)
+            logits = self.compact(input_ids, positions, mask, cache, keep, ragged)[0].split(needs)
+        elif self.compact is not None:
             logits = self.compact(input_ids, positions, mask, cache, keep)
         else:
             inputs = dict(input_ids=input_ids, position_ids=positions, attention_mask=mask, use_cache=True,
@@ -71,4 +77,6 @@ class CachedForward:
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
         cache.end_forward()
-        return logits, seconds
+        if isinstance(logits, torch.Tensor):  # [B, keep, V]
+            logits = [logits[b, keep - need:] for b, need in enumerate(needs)]
+        return list(logits), seconds

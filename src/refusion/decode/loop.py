@@ -140,12 +140,12 @@ class Decoder:
             input_ids, positions, groups, lower_upto = r.tokens[None], r.positions[None], r.groups[None], None
         else:
             input_ids, positions, groups, lower_upto = padded_inputs(requests, width, branched, self.device)
-        keep = max(r.tokens.numel() - r.logits_from for r in requests)  # logits needed, counted from the end
-        logits, seconds = self.cached_forward(self.cache, input_ids, positions, groups, lower_upto, counts, keep,
+        needs = [r.tokens.numel() - r.logits_from for r in requests]  # logits needed, counted from the end
+        logits, seconds = self.cached_forward(self.cache, input_ids, positions, groups, lower_upto, counts, needs,
                                               bucket)
         self.stats.forward_seconds += seconds
         self.stats.forwards += 1
-        return [logits[b, keep - (r.tokens.numel() - r.logits_from):] for b, r in enumerate(requests)]
+        return logits
 
 
 def padded_inputs(requests: list[Forward], width: int, branched: bool, device: torch.device):

@@ -11,21 +11,70 @@ the family's functions are looked up once, and KV entries go straight to the `Sl
 
 Any other model, a model in training, or one with hooks on its sub-layers (offloading, peft's wrappers) decodes
 through transformers' forward: `compact_forward(model)` returns None for it.
+
+A batch of requests of different widths is one padded forward (left padding, `decode.loop.padded_inputs`). Given
+the `Ragged` layout of its real tokens, the compact forward runs the embedding, norms, products and MLPs over
+those rows alone and only attention over the padded layout (the rows scattered into it and gathered back): every
+real row gets the operations it gets padded, and the padding rows, a third of a batch's rows on the engine
+benchmark, cost no products. The LM head then computes only the logits the requests asked for.
 """
 
 from __future__ import annotations
 
 import sys
+import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from refusion.model.fused import FusedProduct, fused_products
+from refusion.model.fused import FusedProduct, base_of, fused_products
 from refusion.model.native import native_layers
 
 COMPACT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 """`config.model_type`s whose decoder layers `CompactForward` runs (pre-norm attention and gated MLP, RoPE)."""
+LINEAR_NAMES = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+"""A decoder layer's linear layers, by the block that holds them."""
+
+_last_built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""model -> the `CompactForward` `compact_forward` last built for it (a model refusion did not prepare has no setup
+to keep one: its decoders share this one, so its fused weights are stacked and packed once, not per decode)."""
+
+
+@dataclass(frozen=True)
+class Ragged:
+    """Where the real tokens of a padded [B, W] forward are: the compact forward computes those rows alone."""
+
+    batch: int
+    """B: the padded forward's rows (sequences)."""
+    width: int
+    """W: the padded forward's tokens per row."""
+    real: torch.Tensor
+    """[N] the flat indices (into B * W) of the real tokens, sequence by sequence, in order."""
+    keep: torch.Tensor
+    """[M] the indices (into the N real tokens) of the tokens whose logits are returned, in order."""
+
+    @classmethod
+    def of(cls, counts: list[int], needs: list[int], width: int, device: torch.device) -> Ragged:
+        """The layout of a left-padded forward: row b holds counts[b] real tokens at its end and wants the logits
+        of its last needs[b]."""
+        real, keep, start = [], [], 0
+        for b, (n, need) in enumerate(zip(counts, needs)):
+            real.append(torch.arange((b + 1) * width - n, (b + 1) * width))
+            keep.append(torch.arange(start + n - need, start + n))
+            start += n
+        return cls(len(counts), width, torch.cat(real).to(device), torch.cat(keep).to(device))
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, W, ...] -> [1, N, ...]: the real rows of a padded tensor."""
+        return x.reshape(self.batch * self.width, *x.shape[2:]).index_select(0, self.real)[None]
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, N, F] -> [B, W, F]: the real rows in their padded places, zeros at the padding."""
+        flat = x.reshape(-1, x.shape[-1])
+        out = flat.new_zeros(self.batch * self.width, flat.shape[-1])
+        return out.index_copy_(0, self.real, flat).view(self.batch, self.width, -1)
 
 
 class CompactForward:
@@ -45,51 +94,62 @@ class CompactForward:
         self.rotate = family.apply_rotary_pos_emb
         self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")  # Qwen3
         self.layer_types = getattr(model.config, "layer_types", None)  # which mask each layer takes, when several
+        self.attn_implementation = attention
+        self.kernels = linear_kernels(self.layers)
+        """Each linear layer with the kernel and row settings it had when the fused products were chosen."""
         self.fused = [fused_products(layer) if fuse else {} for layer in self.layers]
         self.native = native_layers(self) if native else None
 
     def runs(self, model) -> bool:
-        """Whether this forward still runs `model`'s modules (none was replaced since it was built)."""
+        """Whether this forward still runs `model`'s modules as they are: none replaced or switched to another
+        kernel since it was built, the same attention implementation."""
         inner = model.model
         if (inner.embed_tokens is not self.embed or inner.layers is not self.layers or inner.norm is not self.norm
-                or model.lm_head is not self.lm_head or len(self.layers) != len(self.fused)):
+                or model.lm_head is not self.lm_head or len(self.layers) != len(self.fused)
+                or model.config._attn_implementation != self.attn_implementation):
             return False
-        return all(product.members_of(layer) for layer, fused in zip(self.layers, self.fused)
-                   for product in fused.values())
+        return linear_kernels(self.layers) == self.kernels
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask, cache,
-                 logits_to_keep: int) -> torch.Tensor:
-        hidden = self.embed(input_ids)  # a module call: the mask-gated adapter reads the mask rows in its pre-hook
-        position_embeddings = self.rotary(hidden, position_ids)
+                 logits_to_keep: int, ragged: Ragged | None = None) -> torch.Tensor:
+        """[B, logits_to_keep, V]: the logits of each row's last tokens; with `ragged` (the layout of the real
+        tokens), [1, M, V]: the logits of `ragged.keep`'s tokens."""
+        # a module call: the mask-gated adapter reads the mask rows (of the rows computed) in its pre-hook
+        hidden = self.embed(input_ids if ragged is None else ragged.gather(input_ids))
+        position_embeddings = self.rotary(hidden, position_ids)  # [B, W, D]: attention's padded layout
         if isinstance(attention_mask, dict):  # one mask per layer type
             layer_masks = [attention_mask[kind] for kind in self.layer_types]
         else:
             layer_masks = [attention_mask] * len(self.layers)
         if self.native is not None:
-            out = self.native(hidden, position_embeddings, layer_masks, cache)
+            out = self.native(hidden, position_embeddings, layer_masks, cache, ragged)
             if out is not None:
-                return self._logits(out, logits_to_keep)
+                return self._logits(out, logits_to_keep, ragged)
         for i, (layer, mask) in enumerate(zip(self.layers, layer_masks)):
             residual = hidden
             hidden = residual + self._attention(layer.self_attn, layer.input_layernorm.forward(hidden),
-                                                position_embeddings, mask, cache, i)
+                                                position_embeddings, mask, cache, i, ragged)
             residual = hidden
             hidden = residual + self._mlp(layer.mlp, layer.post_attention_layernorm.forward(hidden),
                                           self.fused[i].get("mlp"))
-        return self._logits(hidden, logits_to_keep)
+        return self._logits(hidden, logits_to_keep, ragged)
 
-    def _logits(self, hidden: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+    def _logits(self, hidden: torch.Tensor, logits_to_keep: int, ragged: Ragged | None) -> torch.Tensor:
         hidden = self.norm.forward(hidden)
-        return self.lm_head(hidden[:, -logits_to_keep:, :])  # a module call: its hooks run (the adapter's)
+        kept = hidden[:, -logits_to_keep:, :] if ragged is None else hidden[:, ragged.keep, :]
+        return self.lm_head(kept)  # a module call: its hooks run (the adapter's)
 
-    def _attention(self, attn: nn.Module, hidden: torch.Tensor, position_embeddings, mask, cache, index: int):
-        input_shape = hidden.shape[:-1]
-        hidden_shape = (*input_shape, -1, attn.head_dim)
+    def _attention(self, attn: nn.Module, hidden: torch.Tensor, position_embeddings, mask, cache, index: int,
+                   ragged: Ragged | None):
         fused = self.fused[index].get("self_attn")
         if fused is not None:
             query, key, value = fused(hidden)
         else:
             query, key, value = attn.q_proj.forward(hidden), attn.k_proj.forward(hidden), attn.v_proj.forward(hidden)
+        if ragged is not None:  # attention reads the padded layout
+            query, key, value = ragged.scatter(query), ragged.scatter(key), ragged.scatter(value)
+        input_shape = query.shape[:-1]
+        hidden_shape = (*input_shape, -1, attn.head_dim)
         query, key = query.view(hidden_shape), key.view(hidden_shape)
         if self.qk_norm:
             query, key = attn.q_norm.forward(query), attn.k_norm.forward(key)
@@ -100,7 +160,8 @@ class CompactForward:
         key, value = cache.write(index, key, value)
         kwargs = {"sliding_window": attn.sliding_window} if getattr(attn, "sliding_window", None) else {}
         out, _ = self.attention(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling, **kwargs)
-        return attn.o_proj.forward(out.reshape(*input_shape, -1).contiguous())
+        out = out.reshape(*input_shape, -1).contiguous()
+        return attn.o_proj.forward(out if ragged is None else ragged.gather(out))
 
     @staticmethod
     def _mlp(mlp: nn.Module, hidden: torch.Tensor, fused: FusedProduct | None) -> torch.Tensor:
@@ -126,4 +187,22 @@ def compact_forward(model, built: CompactForward | None = None) -> CompactForwar
             continue
         if module._forward_hooks or module._forward_pre_hooks or getattr(module, "_hf_hook", None) is not None:
             return None
-    return built if built is not None and built.runs(model) else CompactForward(model)
+    for earlier in (built, _last_built.get(model)):
+        if earlier is not None and earlier.runs(model):
+            return earlier
+    _last_built[model] = forward = CompactForward(model)
+    return forward
+
+
+def linear_kernels(layers: nn.ModuleList) -> list[tuple]:
+    """(module, its computing layer's type, row padding, packed-copy row count) of every linear layer of the
+    decoder layers: what the fused products were chosen for (a module replaced or switched changes it)."""
+    kernels = []
+    for layer in layers:
+        for block, names in LINEAR_NAMES.items():
+            for name in names:
+                module = getattr(getattr(layer, block, None), name, None)
+                base = base_of(module)
+                kernels.append((module, type(base), getattr(base, "padded_rows", None),
+                                getattr(base, "packed_from", None)))
+    return kernels

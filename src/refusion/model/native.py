@@ -118,7 +118,9 @@ class NativeLayers:
         self.kv_layout = (attn.config.num_key_value_heads, attn.head_dim)
         self.attention = ATTENTIONS[attn.config._attn_implementation]
 
-    def __call__(self, hidden: torch.Tensor, position_embeddings, masks: list, cache) -> torch.Tensor | None:
+    def __call__(self, hidden: torch.Tensor, position_embeddings, masks: list, cache,
+                 ragged=None) -> torch.Tensor | None:
+        """`ragged`: the `compact.Ragged` layout of a padded forward's real rows, which `hidden` holds alone."""
         if hidden.device.type != "cpu" or torch.is_grad_enabled() or hidden.numel() == 0:
             return None
         if self.stack is None or not self.stack.fresh():
@@ -135,8 +137,10 @@ class NativeLayers:
         rows = self.mask_rows
         dense, listed = (rows.dense, rows.rows) if rows is not None else (None, None)
         active = dense is not None and not (listed is not None and listed.numel() == 0)
+        real, batch, width = ((None, hidden.shape[0], hidden.shape[1]) if ragged is None
+                              else (ragged.real, ragged.batch, ragged.width))
         return self.stack.forward(hidden, cos, sin, masks, keys, values, start, active,
-                                  active and rows.gated, dense, listed)
+                                  active and rows.gated, dense, listed, real, batch, width)
 
     def _build(self):
         """The C++ stack of the layers as their modules stand now (packed and fused weights brought up to date)."""

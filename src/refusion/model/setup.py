@@ -103,7 +103,8 @@ class ModelSetup:
 
     compact_forward: CompactForward | None = None
     """The `CompactForward` `prepare` built for the model, whose fused products (`model.fused`) build their weights
-    once: every decoder reuses it while it still runs the model's modules. None: each decoder builds its own."""
+    once: every decoder reuses it while it still runs the model's modules. None: decoders share the one
+    `compact.compact_forward` last built for the model."""
 
     compiled: torch.nn.Module | None = None
     """The model's forward through `torch.compile` (`decode.compiled.compile_model`): the decoder then keeps the

@@ -701,21 +701,51 @@ Tensor fused_attention(const Layer& layer, const std::vector<Tensor>& qkv, const
   return out.reshape({batch, width, -1}).contiguous();
 }
 
+// Where a forward's rows sit in attention's padded [B, T] layout (compact.Ragged): the layers compute the real rows
+// alone, [1, N, ...], and attention scatters them into that layout and gathers them back; `real` unset: the rows
+// are the layout
+struct Layout {
+  c10::optional<Tensor> real;  // [N] flat indices into B * T of the real rows
+  int64_t batch, width;
+};
+
+// Ragged.scatter: [1, N, F] -> [B, T, F], zeros at the padding
+Tensor scatter(const Tensor& x, const Layout& l) {
+  if (!l.real) return x;
+  Tensor flat = x.reshape({-1, x.size(-1)});
+  Tensor out = at::zeros({l.batch * l.width, flat.size(1)}, flat.options());
+  return out.index_copy_(0, *l.real, flat).view({l.batch, l.width, flat.size(1)});
+}
+
+// Ragged.gather: [B, T, F] -> [1, N, F]
+Tensor gather(const Tensor& x, const Layout& l) {
+  if (!l.real) return x;
+  return x.reshape({l.batch * l.width, x.size(-1)}).index_select(0, *l.real).unsqueeze(0);
+}
+
 // CompactForward._attention with apply_rotary_pos_emb, SlotCache.write (native.py: `SlotCache.native_storage`) and
 // the model's attention function.
 // Where q and k are adjacent columns of one fused product and no per-head norm comes between (Llama, Mistral,
 // Qwen2), RoPE runs once over both: every element gets the same operations on the same numbers as in two calls.
 Tensor attention(const Layer& layer, const Tensor& hidden, const Tensor& cos, const Tensor& sin, const Tensor& c,
                  const Tensor& s, const c10::optional<Tensor>& mask, Tensor& keys, Tensor& values, int64_t start,
-                 const MaskRows& m) {
-  int64_t batch = hidden.size(0), width = hidden.size(1), dim = layer.head_dim;
+                 const MaskRows& m, const Layout& l) {
+  int64_t batch = l.batch, width = l.width, dim = layer.head_dim;
   Tensor query, key;
   std::vector<Tensor> qkv;
   Tensor whole;
   bool adjacent = layer.qkv.size() == 1 && !layer.q_norm;
   qkv = adjacent ? product(layer.qkv[0], hidden, m, &whole) : products(layer.qkv, hidden, m);
+  if (l.real) {  // attention reads the padded layout
+    if (adjacent) {
+      whole = scatter(whole, l);
+      qkv = whole.split_with_sizes(layer.qkv[0].splits, -1);
+    } else {
+      for (Tensor& x : qkv) x = scatter(x, l);
+    }
+  }
   Tensor fused = fused_attention(layer, qkv, cos, sin, mask, keys, values, start);
-  if (fused.defined()) return product(layer.o, fused, m)[0];
+  if (fused.defined()) return product(layer.o, gather(fused, l), m)[0];
   if (adjacent) {
     int64_t heads = qkv[0].size(-1) / dim, kv_heads = qkv[1].size(-1) / dim;
     Tensor both = rotary(whole.slice(-1, 0, (heads + kv_heads) * dim).view({batch, width, -1, dim}).transpose(1, 2),
@@ -740,7 +770,7 @@ Tensor attention(const Layer& layer, const Tensor& hidden, const Tensor& cos, co
                    ? exact_attention(query, keys.slice(2, 0, end), values.slice(2, 0, end), mask, layer.scaling)
                    : sdpa_attention(query, keys.slice(2, 0, end), values.slice(2, 0, end), mask, layer.scaling,
                                     layer.kv_groups);
-  return product(layer.o, out.reshape({batch, width, -1}).contiguous(), m)[0];
+  return product(layer.o, gather(out.reshape({batch, width, -1}).contiguous(), l), m)[0];
 }
 
 // CompactForward._mlp
@@ -783,21 +813,26 @@ class Stack {
     return true;
   }
 
-  // CompactForward.__call__'s layer loop: hidden [B, T, hidden] in, hidden out; masks: one per layer (or None);
-  // keys, values: each layer's cache storage, the forward's entries written at columns [start, start + T)
+  // CompactForward.__call__'s layer loop: hidden [B, T, hidden] in, hidden out (with `real`, a padded [batch, width]
+  // forward's real rows alone: [1, N, hidden]; Layout); masks: one per layer (or None); keys, values: each layer's
+  // cache storage, the forward's entries written at columns [start, start + T)
   Tensor forward(Tensor hidden, const Tensor& cos, const Tensor& sin, const std::vector<c10::optional<Tensor>>& masks,
                  std::vector<Tensor> keys, std::vector<Tensor> values, int64_t start, bool mask_active,
-                 bool mask_gated, c10::optional<Tensor> mask_dense, c10::optional<Tensor> mask_rows) const {
+                 bool mask_gated, c10::optional<Tensor> mask_dense, c10::optional<Tensor> mask_rows,
+                 c10::optional<Tensor> real, int64_t batch, int64_t width) const {
     TORCH_CHECK(masks.size() == layers_.size() && keys.size() == layers_.size() && values.size() == layers_.size(),
                 "one mask, key and value storage per layer");
+    TORCH_CHECK(real ? real->numel() == hidden.size(1) : hidden.size(0) == batch && hidden.size(1) == width,
+                "hidden holds the forward's rows: all of them, or the real ones listed");
     MaskRows m{mask_active, mask_gated, mask_dense, mask_rows};
+    Layout l{real, batch, width};
     if (layers_.empty()) return hidden;
     Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
     // each residual add is done with the norm after it (add_rms_norm), the last one alone
     Tensor normed = rms_norm(hidden, layers_[0].input);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
-      Tensor out = attention(layer, normed, cos, sin, c, s, masks[i], keys[i], values[i], start, m);
+      Tensor out = attention(layer, normed, cos, sin, c, s, masks[i], keys[i], values[i], start, m, l);
       std::tie(hidden, normed) = add_rms_norm(hidden, out, layer.post);
       out = mlp(layer, normed, m);
       if (i + 1 < layers_.size()) {
