@@ -55,13 +55,14 @@ class CachedForward:
                  bucket: int | None = None) -> tuple[list[torch.Tensor], float]:
         """(each row's logits [needs[b], V] of its last needs[b] tokens, seconds in the model's forward): one
         forward of the [B, W] inputs, right-aligned (`counts`: each row's real tokens; `bucket`: the compiled width
-        they were padded to). The compact forward computes a padded batch's real rows alone (`compact.Ragged`)."""
+        they were padded to). On the CPU, where a product's cost grows with its rows, the compact forward computes a
+        padded batch's real rows alone (`compact.Ragged`); a GPU computes the padding in the same kernels."""
         mask = cache.begin_forward(groups, positions, lower_upto, counts)
         keep = max(needs)
         kwargs = {"logits_to_keep": bucket or keep} if self._logits_to_keep else {}  # compiled: fixed
         batch, width = input_ids.shape
         start = time.perf_counter()
-        if self.compact is not None and sum(counts) < batch * width:
+        if self.compact is not None and self.device.type == "cpu" and sum(counts) < batch * width:
             ragged = Ragged.of(counts, needs, width, self.device)
             logits = self.compact(input_ids, positions, mask, cache, keep, ragged)[0].split(needs)
         elif self.compact is not None:
