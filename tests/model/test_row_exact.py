@@ -168,8 +168,8 @@ class Heads(nn.Module):
 
 
 def test_exact_attention_is_eager_attention_computed_exactly():
-    """Each query row comes out the same with other rows beside it and with the keys in any order (a cache is a
-    bag of entries), and equals eager attention's result up to its bf16 rounding."""
+    """Each query row comes out the same with other rows beside it and with its keys anywhere in the cache (in
+    their order, with holes between them), and equals eager attention's result up to its bf16 rounding."""
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
     torch.manual_seed(0)
@@ -181,13 +181,43 @@ def test_exact_attention_is_eager_attention_computed_exactly():
     reference, _ = eager_attention_forward(Heads(), query.double(), key.double(), value.double(), mask.double(),
                                            scaling=0.25)
     torch.testing.assert_close(out.double(), reference, rtol=1e-2, atol=1e-2)
-    order = torch.randperm(40)
+    columns = torch.randperm(100)[:40].sort().values  # the 40 keys spread over 100 columns, in order
+    spread_key, spread_value = (torch.zeros(1, 2, 100, 16, dtype=torch.bfloat16) for _ in range(2))
+    spread_key[:, :, columns], spread_value[:, :, columns] = key, value
+    spread_mask = torch.full((1, 1, 6, 100), torch.finfo(torch.bfloat16).min, dtype=torch.bfloat16)
+    spread_mask[..., columns] = mask
     for row in range(6):
         alone, _ = row_exact.exact_attention(Heads(), query[:, :, row:row + 1], key[:, :, :37], value[:, :, :37],
                                              None, scaling=0.25)
-        shuffled, _ = row_exact.exact_attention(Heads(), query[:, :, row:row + 1], key[:, :, order],
-                                                value[:, :, order], mask[:, :, row:row + 1, order], scaling=0.25)
-        assert torch.equal(out[:, row:row + 1], alone) and torch.equal(shuffled, alone), row
+        spread, _ = row_exact.exact_attention(Heads(), query[:, :, row:row + 1], spread_key, spread_value,
+                                              spread_mask[:, :, row:row + 1], scaling=0.25)
+        assert torch.equal(out[:, row:row + 1], alone) and torch.equal(spread, alone), row
+
+
+def test_exact_attentions_softmax_sums_the_same_wherever_the_keys_sit():
+    """A batch's other sequences leave holes between a row's keys (their wider forwards): ATen's softmax sums each
+    column in the lane its index gives it, so there it rounds differently (what made the exact mode at batch 4
+    leave AR decoding on 4 of 8 requests); `canonical_softmax` moves the seen columns to the front first."""
+    generator = torch.Generator().manual_seed(0)
+    seen = torch.randn(4, 3, 2, 45, generator=generator, dtype=torch.float64) * 4  # [B, H, T, keys]
+    columns = torch.randperm(120, generator=generator)[:45].sort().values
+    lowest = torch.finfo(torch.float32).min
+    spread = torch.zeros(4, 3, 2, 120, dtype=torch.float64)
+    spread[..., columns] = seen
+    mask = torch.full((4, 1, 2, 120), lowest)
+    mask[..., columns] = 0
+    together = row_exact.canonical_softmax(seen, torch.zeros(4, 1, 2, 45))
+    apart = row_exact.canonical_softmax(spread + mask, mask)
+    assert torch.equal(apart[..., columns], together) and torch.equal(together, row_exact.canonical_softmax(seen, None))
+    holes = torch.ones(120, dtype=torch.bool)
+    holes[columns] = False
+    assert not apart[..., holes].any()
+    naive = torch.softmax((spread + mask).float(), dim=-1)[..., columns]  # the rounding the holes change
+    assert not torch.equal(naive, torch.softmax(seen.float(), dim=-1))
+    short = seen[..., :10]  # a row of fewer columns than a vector's lanes alone, and among many
+    among = torch.cat([torch.zeros(4, 1, 2, 10), torch.full((4, 1, 2, 110), lowest)], -1)
+    assert torch.equal(row_exact.canonical_softmax(short, None),
+                       row_exact.canonical_softmax(torch.cat([short, spread[..., 10:]], -1) + among, among)[..., :10])
 
 
 def test_exact_attention_gives_the_same_bits_over_fp64_entries():

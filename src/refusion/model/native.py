@@ -47,7 +47,7 @@ from refusion.model.gated_lora import MaskGatedLoRA
 from refusion.model.int4 import GROUP, Int4Linear
 from refusion.model.narrow import MAX_ROWS as NARROW_MAX_ROWS
 from refusion.model.narrow import NarrowLinear
-from refusion.model.row_exact import EXACT_ATTENTION, ExactRows, PackedLinear
+from refusion.model.row_exact import EXACT_ATTENTION, SOFTMAX_COLUMNS, ExactRows, PackedLinear
 from refusion.model.sgemm import SgemmLinear
 
 SOURCE = Path(__file__).parent / "csrc" / "decoder_layers.cpp"
@@ -157,7 +157,7 @@ class NativeLayers:
             layers.append(ext.Layer(self._norm(layer.input_layernorm), self._norm(layer.post_attention_layernorm),
                                     q_norm, k_norm, qkv, self._product(attn.o_proj), gate_up,
                                     self._product(mlp.down_proj), attn.head_dim, attn.scaling, self.attention,
-                                    attn.num_key_value_groups))
+                                    attn.num_key_value_groups, SOFTMAX_COLUMNS))
         self.bf16_only = any(kind in (PackedLinear, Int4Linear) for _, kind in self.kinds)
         return ext.Stack(layers, self.sources, self.kinds)
 

@@ -21,9 +21,11 @@ forwards row-exact, and fast:
 * `exact_attention` (attention implementation "refusion_exact"). bf16 attention products are not exact row by
   row either, not even in the eager implementation (a query row of a 5-row product over 180 keys differed
   from the same row alone). Here both products take their bf16 operands in fp64: a product of two bf16 numbers
-  has 16 significant bits, so the sums are exact whatever their order (unless terms span more than 2^37) and
-  neither the number of query rows nor where the keys sit in the cache changes a bit of the result. It costs
-  ~1.5 ms per forward of SmolLM2-135M (30 layers).
+  has 16 significant bits, so the sums are exact whatever their order (unless terms span more than 2^37). The
+  softmax between them sums in fp32, in an order that follows where each column sits, so it runs over the columns
+  a row sees moved to the front (`canonical_softmax`): neither the number of query rows nor where the keys sit in
+  the cache (holes a batch's other sequences leave) changes a bit of the result. It costs ~1.5 ms per forward of
+  SmolLM2-135M (30 layers).
 
 The packed copy lives beside the parameter (training and the state dict see the plain weight) and is rebuilt
 when the parameter changes (an optimizer step, `load_state_dict`, a move). It doubles the memory of the
@@ -267,6 +269,11 @@ EXACT_ATTENTION = "refusion_exact"
 """The attention implementation name `exact_attention` is registered under with transformers."""
 
 
+SOFTMAX_COLUMNS = 64
+"""The fewest columns exact attention's softmax runs over (a shorter row padded): ATen sums a row of fewer columns than
+its vector's lanes in another order than a longer one, so every row takes the long path (`canonical_softmax`)."""
+
+
 def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs):
     """Eager attention whose two products sum in fp64 (see the module docstring): each query row's output is
@@ -282,12 +289,30 @@ def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     scores = torch.matmul(grouped, key.double().transpose(2, 3)).view(batch, heads, rows, length).mul_(scaling)
     if attention_mask is not None:
         scores.add_(attention_mask[:, :, :, :length])
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = canonical_softmax(scores, attention_mask).to(query.dtype)
     if dropout and module.training:
         weights = F.dropout(weights, p=dropout)
     out = torch.matmul(weights.view(batch, kv_heads, -1, length).double(), value.double())
     out = out.view(batch, heads, rows, dim).to(query.dtype)
     return out.transpose(1, 2).contiguous(), weights
+
+
+def canonical_softmax(scores: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Softmax in fp32 of [B, H, T, L] scores, 0 at the columns a row does not see (the mask's lowest value there),
+    each row's sums the same wherever its keys sit in the cache: the seen columns are moved to the front in their
+    order and followed by padding to at least SOFTMAX_COLUMNS (ATen's vectorised softmax sums a column in the lane
+    its index gives it, so the holes other sequences leave between a row's keys would change its rounding)."""
+    length = scores.shape[-1]
+    fill = torch.finfo(torch.float32).min
+    flat = scores.to(torch.float32)
+    pad = (0, max(0, SOFTMAX_COLUMNS - length))
+    if attention_mask is None:
+        return torch.softmax(F.pad(flat, pad, value=fill), dim=-1)[..., :length]
+    visible = (attention_mask[:, :, :, :length] > torch.finfo(attention_mask.dtype).min).expand_as(scores)
+    order = torch.argsort((~visible).to(torch.uint8), dim=-1, stable=True)  # the seen columns first, in order
+    front = torch.where(visible, flat, fill).gather(-1, order)
+    weights = torch.softmax(F.pad(front, pad, value=fill), dim=-1)[..., :length]
+    return torch.where(visible, torch.zeros_like(weights).scatter_(-1, order, weights), 0.0)
 
 
 def cache_dtype(model) -> torch.dtype | None:

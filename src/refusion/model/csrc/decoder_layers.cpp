@@ -77,6 +77,7 @@ struct Layer {
   double scaling;
   int64_t attention;  // kExact or kSdpa
   int64_t kv_groups;  // query heads per KV head
+  int64_t softmax_columns;  // exact attention: the fewest columns its softmax runs over (row_exact.SOFTMAX_COLUMNS)
 };
 
 // Where the forward's mask rows are (gated_lora.MaskRows), as the adapter's updates read them.
@@ -499,17 +500,21 @@ REFUSION_CLONES REFUSION_EXACT_PRODUCTS void weighted_values(const double* w, co
 }
 
 // row_exact.exact_attention over the cache's fp64 entries: scores = float(q . k * scaling + mask) (each in fp64),
-// softmax in fp32 (ATen's), weights rounded to T, their product with the values summed in fp64, rounded to T.
+// softmax in fp32 (ATen's) over the columns the row sees, moved to the front in their order (row_exact.
+// canonical_softmax: the same sums wherever its keys sit in the cache), weights rounded to T, their product with
+// the values summed in fp64, rounded to T.
 // q: [B, T, H, D] fp64 contiguous; keys, values: the cache storage [B, H_kv, capacity, D] fp64, attended up to
 // column `length`; mask: additive [B, 1, T, >= length] or none. Returns [B, T, H * D] in T.
 // Columns past the last one a query row sees (mask at its dtype's lowest) are not multiplied: their score is the
 // mask's value, whose weight is 0 after the softmax as it would be with the product added.
 template <typename T>
 Tensor fused_exact_attention(const Tensor& q, const Tensor& keys, const Tensor& values,
-                             const c10::optional<Tensor>& mask, double scaling, int64_t length) {
+                             const c10::optional<Tensor>& mask, double scaling, int64_t length, int64_t columns) {
   int64_t batch = q.size(0), width = q.size(1), heads = q.size(2), dim = q.size(3);
   int64_t kv_heads = keys.size(1), capacity = keys.size(2), groups = heads / kv_heads;
-  Tensor scores = at::empty({batch, heads, width, length}, q.options().dtype(at::kFloat));
+  int64_t span = std::max(length, columns);  // the softmax's columns: the row's own at the front, then padding
+  constexpr float kFill = std::numeric_limits<float>::lowest();
+  Tensor scores = at::empty({batch, heads, width, span}, q.options().dtype(at::kFloat));
   const double *qd = q.const_data_ptr<double>(), *kd = keys.const_data_ptr<double>();
   float* sd = scores.mutable_data_ptr<float>();
   int64_t rows = batch * heads * width;
@@ -528,7 +533,7 @@ Tensor fused_exact_attention(const Tensor& q, const Tensor& keys, const Tensor& 
     std::vector<double> dots(length), masked(mask ? length : 0);
     for (int64_t r = begin; r < end; ++r) {
       int64_t b = r / (heads * width), h = r / width % heads, t = r % width, g = h / groups;
-      float* out = sd + r * length;
+      float* out = sd + r * span;
       int64_t seen = length;  // columns up to the last one the row sees
       if (mask) {
         AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, mask_type, "mask", [&] {
@@ -539,12 +544,14 @@ Tensor fused_exact_attention(const Tensor& q, const Tensor& keys, const Tensor& 
       }
       key_dots(qd + ((b * width + t) * heads + h) * dim, kd + (b * kv_heads + g) * capacity * dim, seen, dim,
                dots.data());
+      int64_t n = 0;  // the columns the row sees, in order, at the front
       for (int64_t j = 0; j < seen; ++j) {
+        if (mask && masked[j] <= lowest) continue;
         double score = dots[j] * scaling;
         if (mask) score = score + masked[j];
-        out[j] = static_cast<float>(score);
+        out[n++] = static_cast<float>(score);
       }
-      for (int64_t j = seen; j < length; ++j) out[j] = static_cast<float>(masked[j]);
+      for (int64_t j = n; j < span; ++j) out[j] = kFill;
     }
   });
   Tensor weights = at::_softmax(scores, -1, false);
@@ -556,8 +563,18 @@ Tensor fused_exact_attention(const Tensor& q, const Tensor& keys, const Tensor& 
     std::vector<double> w(length), acc(dim);
     for (int64_t r = begin; r < end; ++r) {
       int64_t b = r / (heads * width), h = r / width % heads, t = r % width, g = h / groups;
-      const float* row = wd + r * length;
-      for (int64_t j = 0; j < length; ++j) w[j] = static_cast<double>(narrow<T>(row[j]));  // .to(dtype).double()
+      const float* row = wd + r * span;
+      int64_t n = 0;  // each seen column's weight back at its column, .to(dtype).double(); 0 where unseen
+      if (mask) {
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, mask_type, "mask", [&] {
+          const scalar_t* mrow = m.const_data_ptr<scalar_t>() + b * mb + t * mt;
+          for (int64_t j = 0; j < length; ++j) {
+            w[j] = static_cast<double>(mrow[j]) <= lowest ? 0.0 : static_cast<double>(narrow<T>(row[n++]));
+          }
+        });
+      } else {
+        for (int64_t j = 0; j < length; ++j) w[j] = static_cast<double>(narrow<T>(row[j]));
+      }
       weighted_values(w.data(), vd + (b * kv_heads + g) * capacity * dim, length, dim, acc.data());
       T* out = od + (b * width + t) * heads * dim + h * dim;
       for (int64_t d = 0; d < dim; ++d) out[d] = narrow64<T>(acc[d]);
@@ -595,15 +612,36 @@ Tensor rotate_half(const Tensor& x) {
 }
 
 // row_exact.exact_attention
+// row_exact.canonical_softmax: softmax in fp32 over the columns each row sees, moved to the front in their order and
+// followed by padding up to `columns` (the same sums wherever the keys sit); 0 at the columns it does not see
+Tensor canonical_softmax(const Tensor& scores, const c10::optional<Tensor>& mask, int64_t columns) {
+  int64_t length = scores.size(-1);
+  float fill = std::numeric_limits<float>::lowest();
+  Tensor flat = scores.to(at::kFloat);
+  if (!mask) {
+    Tensor padded = at::constant_pad_nd(flat, {0, std::max<int64_t>(0, columns - length)}, fill);
+    return at::_softmax(padded, -1, false).slice(-1, 0, length);
+  }
+  double lowest = 0;  // the mask's value at a column a row does not see
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, mask->scalar_type(), "mask",
+                                  [&] { lowest = static_cast<double>(std::numeric_limits<scalar_t>::lowest()); });
+  Tensor visible = mask->slice(3, 0, length).gt(lowest).expand_as(scores);
+  Tensor order = at::argsort(visible.logical_not().to(at::kByte), true, -1, false);  // stable: seen columns first
+  Tensor front = at::where(visible, flat, at::scalar_tensor(fill, flat.options())).gather(-1, order);
+  Tensor padded = at::constant_pad_nd(front, {0, std::max<int64_t>(0, columns - length)}, fill);
+  Tensor weights = at::_softmax(padded, -1, false).slice(-1, 0, length);
+  return at::where(visible, at::zeros_like(weights).scatter_(-1, order, weights), 0.0);
+}
+
 Tensor exact_attention(const Tensor& query, const Tensor& key, const Tensor& value, const c10::optional<Tensor>& mask,
-                       double scaling) {
+                       double scaling, int64_t columns) {
   int64_t batch = query.size(0), heads = query.size(1), rows = query.size(2), dim = query.size(3);
   int64_t kv_heads = key.size(1), length = key.size(2);
   Tensor grouped = query.reshape({batch, kv_heads, heads / kv_heads * rows, dim}).to(at::kDouble);
   Tensor scores =
       at::matmul(grouped, key.to(at::kDouble).transpose(2, 3)).view({batch, heads, rows, length}).mul_(scaling);
   if (mask) scores.add_(mask->slice(3, 0, length));
-  Tensor weights = at::softmax(scores, -1, at::kFloat).to(query.scalar_type());
+  Tensor weights = canonical_softmax(scores, mask, columns).to(query.scalar_type());
   Tensor out = at::matmul(weights.view({batch, kv_heads, -1, length}).to(at::kDouble), value.to(at::kDouble));
   out = out.view({batch, heads, rows, dim}).to(query.scalar_type());
   return out.transpose(1, 2).contiguous();
@@ -686,13 +724,13 @@ Tensor fused_attention(const Layer& layer, const std::vector<Tensor>& qkv, const
     using T = c10::BFloat16;
     if (exact) {
       rope_write<T, double, double>(q, k, v, cos, sin, q_out, keys, values, start);
-      return fused_exact_attention<T>(q_out, keys, values, mask, layer.scaling, end);
+      return fused_exact_attention<T>(q_out, keys, values, mask, layer.scaling, end, layer.softmax_columns);
     }
     rope_write<T, T, T>(q, k, v, cos, sin, q_out, keys, values, start);
   } else {
     if (exact) {
       rope_write<float, double, double>(q, k, v, cos, sin, q_out, keys, values, start);
-      return fused_exact_attention<float>(q_out, keys, values, mask, layer.scaling, end);
+      return fused_exact_attention<float>(q_out, keys, values, mask, layer.scaling, end, layer.softmax_columns);
     }
     rope_write<float, float, float>(q, k, v, cos, sin, q_out, keys, values, start);
   }
@@ -767,7 +805,8 @@ Tensor attention(const Layer& layer, const Tensor& hidden, const Tensor& cos, co
   keys.slice(2, start, end).copy_(key);
   values.slice(2, start, end).copy_(value);
   Tensor out = layer.attention == kExact
-                   ? exact_attention(query, keys.slice(2, 0, end), values.slice(2, 0, end), mask, layer.scaling)
+                   ? exact_attention(query, keys.slice(2, 0, end), values.slice(2, 0, end), mask, layer.scaling,
+                                     layer.softmax_columns)
                    : sdpa_attention(query, keys.slice(2, 0, end), values.slice(2, 0, end), mask, layer.scaling,
                                     layer.kv_groups);
   return product(layer.o, gather(out.reshape({batch, width, -1}).contiguous(), l), m)[0];
@@ -865,7 +904,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Norm>(m, "Norm").def(py::init<Tensor, double>());
   py::class_<Layer>(m, "Layer")
       .def(py::init<Norm, Norm, c10::optional<Norm>, c10::optional<Norm>, std::vector<Product>, Product,
-                    std::vector<Product>, Product, int64_t, double, int64_t, int64_t>());
+                    std::vector<Product>, Product, int64_t, double, int64_t, int64_t, int64_t>());
   py::class_<Stack>(m, "Stack")
       .def(py::init<std::vector<Layer>, const std::vector<py::tuple>&, const std::vector<py::tuple>&>())
       .def("fresh", &Stack::fresh)
