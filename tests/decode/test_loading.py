@@ -104,6 +104,22 @@ def test_embedded_model_loads_offline_and_answers_with_its_preset():
         assert out.sequences == refusion.generate(model, ids, ar).sequences  # bf16 elsewhere: up to near-ties
 
 
+@pytest.mark.skipif(not embedded.embedded_available(), reason="this build ships no embedded model")
+def test_the_embedded_preset_in_a_batch_is_ar_decoding_of_each_request_alone():
+    """Four requests decoded together by the preset (the holes each one's drafts leave between the others' keys, a
+    padded prefill) give each the tokens AR decoding gives it alone: before exact attention's softmax ran over a
+    row's own columns, some of these left AR's answer (at a4cd34a)."""
+    model, tokenizer = refusion.load(device="cpu")
+    if not (model.dtype == torch.float32 or model.config._attn_implementation == "refusion_exact"):
+        pytest.skip("bf16 without row-exact products: up to near-ties")
+    ids = refusion.encode_prompts(tokenizer, ["How does a refrigerator keep food cold?",
+                                              "Summarise the causes of the French Revolution.",
+                                              "Give three tips for learning a new language.", "Why is the sky blue?"])
+    preset = refusion.DecodeConfig.from_preset(embedded.PRESET_NAME, max_new_tokens=128)
+    alone = [refusion.generate(model, [p], preset.for_strategy("autoregressive")).sequences[0] for p in ids]
+    assert refusion.generate(model, ids, preset).sequences == alone
+
+
 def test_the_cpu_default_is_row_exact_bf16_where_the_cpu_has_it_else_fp32():
     """On the CPU the exact mode is AR decoding token for token in fp32, and bit for bit in row-exact bf16
     (refusion.model.row_exact); load picks the latter where this CPU has it, and uses it."""
