@@ -179,15 +179,18 @@ def fusing_pays(costs: ForwardCosts | None, width: int, plan_width: int, used: S
     return extra < used.value * (own_forward + (batch - 1) * padding) / batch
 
 
-def best_draft_count(available: int, acceptance: AcceptanceByDepth, costs: ForwardCosts, width: int = 1) -> int:
+def best_draft_count(available: int, acceptance: AcceptanceByDepth, costs: ForwardCosts, width: int = 1,
+                     batch: int = 1) -> int:
     """How many of `available` drafts to verify: the count that maximizes expected committed tokens per second of
-    forward. `width`: the forward's other tokens (the next token: 1)."""
-    best, best_rate = 0, 1.0 / costs.of(width)
+    forward. `width`: the forward's other tokens (the next token: 1). `batch`: the sequences sharing the forward,
+    each counted as verifying as many (a forward of batch * (width + n) rows, as `fusing_pays` counts them): where
+    a batch's rows cost compute, its sequences verify fewer drafts than one decoded alone."""
+    best, best_rate = 0, 1.0 / costs.of(batch * width)
     expected, chance = 1.0, 1.0  # tokens committed: the next token, plus each draft times its chance
     for n in range(1, available + 1):
         chance *= acceptance.rate(n)
         expected += chance
-        rate = expected / costs.of(width + n)
+        rate = expected / costs.of(batch * (width + n))
         if rate > best_rate:
             best, best_rate = n, rate
     return best

@@ -132,7 +132,8 @@ def speculative_program(seq: Sequence) -> Program:
             drafts = drafts[: seq.grammar.valid_prefix(list(drafts.ids))]
         record = acceptance.setdefault(source, AcceptanceByDepth()) if copied else None
         if record is not None and seq.forward_costs is not None and drafts.tokens.numel():  # those that pay
-            drafts = drafts[: best_draft_count(drafts.tokens.numel(), record, seq.forward_costs)]
+            drafts = drafts[: best_draft_count(drafts.tokens.numel(), record, seq.forward_costs,
+                                               batch=seq.cache.batch_size)]
         n = drafts.tokens.numel()
         chain = torch.cat([token, drafts.tokens])
         # a forward that verifies a copy carries no masks: the copy usually goes on, and without mask rows the
