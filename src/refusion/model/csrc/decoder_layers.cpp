@@ -611,7 +611,6 @@ Tensor rotate_half(const Tensor& x) {
   return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
 }
 
-// row_exact.exact_attention
 // row_exact.canonical_softmax: softmax in fp32 over the columns each row sees, moved to the front in their order and
 // followed by padding up to `columns` (the same sums wherever the keys sit); 0 at the columns it does not see
 Tensor canonical_softmax(const Tensor& scores, const c10::optional<Tensor>& mask, int64_t columns) {
@@ -633,6 +632,7 @@ Tensor canonical_softmax(const Tensor& scores, const c10::optional<Tensor>& mask
   return at::where(visible, at::zeros_like(weights).scatter_(-1, order, weights), 0.0);
 }
 
+// row_exact.exact_attention
 Tensor exact_attention(const Tensor& query, const Tensor& key, const Tensor& value, const c10::optional<Tensor>& mask,
                        double scaling, int64_t columns) {
   int64_t batch = query.size(0), heads = query.size(1), rows = query.size(2), dim = query.size(3);
