@@ -22,19 +22,26 @@ def new_cache(model, kv_dtype: torch.dtype | None = None) -> SlotCache:
                      kv_dtype=kv_dtype)
 
 
-def forwards(model, run, kv_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-    """Logits of a prompt forward, then a forward of three new tokens whose last group reads only itself (a mask
-    other than the causal one) and a padded row, each through `run(ids, positions, mask, cache, keep)`; the cache
-    keeps entries in `kv_dtype` (None: the layers' dtype)."""
+STEPS = [(torch.tensor([[5, 9, 11, 4, 7], [0, 0, 3, 8, 6]]), torch.tensor([[0, 1, 2, 3, 4], [0, 0, 0, 1, 2]]),
+          torch.tensor([[0] * 5, [PADDING, PADDING, 0, 0, 0]])),
+         (torch.tensor([[12, 13, 63], [14, 63, 63]]), torch.tensor([[5, 6, 7], [3, 4, 5]]),
+          torch.tensor([[0, 0, 1], [0, 1, 1]]))]
+"""(ids, positions, groups) of two rows' forwards: a prompt beside a shorter one (padded), then three new tokens
+per row, whose last group reads only itself (a mask other than the causal one)."""
+
+
+def two_rows(model, kv_dtype: torch.dtype | None) -> SlotCache:
     cache = new_cache(model, kv_dtype)
     for row in range(2):
         cache.add_sequence(row)
-    out = []
-    steps = [(torch.tensor([[5, 9, 11, 4, 7], [0, 0, 3, 8, 6]]), torch.tensor([[0, 1, 2, 3, 4], [0, 0, 0, 1, 2]]),
-              torch.tensor([[0] * 5, [PADDING, PADDING, 0, 0, 0]])),
-             (torch.tensor([[12, 13, 63], [14, 63, 63]]), torch.tensor([[5, 6, 7], [3, 4, 5]]),
-              torch.tensor([[0, 0, 1], [0, 1, 1]]))]
-    for ids, positions, groups in steps:
+    return cache
+
+
+def forwards(model, run, kv_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Logits of the STEPS forwards, each through `run(ids, positions, mask, cache, keep)`; the cache keeps entries in
+    `kv_dtype` (None: the layers' dtype)."""
+    cache, out = two_rows(model, kv_dtype), []
+    for ids, positions, groups in STEPS:
         mask = cache.begin_forward(groups, positions)
         with torch.inference_mode():
             out.append(run(ids, positions, mask, cache, ids.shape[1]))
@@ -43,19 +50,12 @@ def forwards(model, run, kv_dtype: torch.dtype | None = None) -> list[torch.Tens
 
 
 def real_rows(model, run, ragged: bool, kv_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-    """The logits of every real token of three forwards of two rows, two of them padded (a prompt beside a shorter
-    one; a mask and a token beside one token), each forward run padded or (`ragged`) over its real rows alone
-    (`Ragged`): one [tokens, V] tensor per row and forward."""
-    cache = new_cache(model, kv_dtype)
-    for row in range(2):
-        cache.add_sequence(row)
-    out = []
-    steps = [(torch.tensor([[5, 9, 11, 4, 7], [0, 0, 3, 8, 6]]), torch.tensor([[0, 1, 2, 3, 4], [0, 0, 0, 1, 2]]),
-              torch.tensor([[0] * 5, [PADDING, PADDING, 0, 0, 0]])),
-             (torch.tensor([[12, 13, 63], [14, 63, 63]]), torch.tensor([[5, 6, 7], [3, 4, 5]]),
-              torch.tensor([[0, 0, 1], [0, 1, 1]])),
-             (torch.tensor([[21, 63], [0, 22]]), torch.tensor([[8, 9], [0, 6]]), torch.tensor([[2, 3], [PADDING, 2]]))]
-    for ids, positions, groups in steps:
+    """The logits of every real token of the STEPS forwards and a third, padded one (a token and a mask beside one
+    token), each forward run padded or (`ragged`) over its real rows alone (`Ragged`): one [tokens, V] tensor per row
+    and forward."""
+    cache, out = two_rows(model, kv_dtype), []
+    third = (torch.tensor([[21, 63], [0, 22]]), torch.tensor([[8, 9], [0, 6]]), torch.tensor([[2, 3], [PADDING, 2]]))
+    for ids, positions, groups in [*STEPS, third]:
         counts = (groups != PADDING).sum(1).tolist()
         width = ids.shape[1]
         mask = cache.begin_forward(groups, positions, counts=counts)
