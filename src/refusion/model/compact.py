@@ -29,13 +29,11 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from refusion.model.fused import FusedProduct, base_of, fused_products
+from refusion.model.fused import LINEAR_NAMES, FusedProduct, base_of, fused_products
 from refusion.model.native import native_layers
 
 COMPACT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 """`config.model_type`s whose decoder layers `CompactForward` runs (pre-norm attention and gated MLP, RoPE)."""
-LINEAR_NAMES = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
-"""A decoder layer's linear layers, by the block that holds them."""
 
 _last_built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """model -> the `CompactForward` `compact_forward` last built for it (a model refusion did not prepare has no setup

@@ -47,6 +47,8 @@ from refusion.model.row_exact import (
     weight_key,
 )
 
+LINEAR_NAMES = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+"""A decoder layer's linear layers, by the block that holds them."""
 FUSED_GROUPS = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
 """Sub-layers of a decoder layer whose linear layers read the same input, by the block that holds them."""
 PROBE_ROWS = (1, 2, 5, 33)
@@ -94,11 +96,6 @@ class FusedProduct:
         """narrow: the members' `NarrowLinear.packed_from`; products of that many rows or more (a prefill too)
         multiply by `packed`, oneDNN's copy of the stacked weight."""
         self.packed: torch.Tensor | None = None
-
-    def members_of(self, layer: nn.Module) -> bool:
-        """Whether `layer`'s block still holds these members (none was replaced, by an adapter say)."""
-        block = getattr(layer, self.block, None)
-        return all(getattr(block, name, None) is m for name, m in zip(FUSED_GROUPS[self.block], self.members))
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if not self.computes(x):

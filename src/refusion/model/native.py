@@ -42,12 +42,12 @@ from torch import nn
 from transformers.activations import SiLUActivation
 
 from refusion.model.build_cache import OFF_VALUES
-from refusion.model.fused import FusedProduct, base_of
+from refusion.model.fused import LINEAR_NAMES, FusedProduct, base_of
 from refusion.model.gated_lora import MaskGatedLoRA
 from refusion.model.int4 import GROUP, Int4Linear
 from refusion.model.narrow import MAX_ROWS as NARROW_MAX_ROWS
 from refusion.model.narrow import NarrowLinear
-from refusion.model.row_exact import EXACT_ATTENTION, SOFTMAX_COLUMNS, ExactRows, PackedLinear
+from refusion.model.row_exact import EXACT_ATTENTION, SOFTMAX_COLUMNS, PackedLinear
 from refusion.model.sgemm import SgemmLinear
 
 SOURCE = Path(__file__).parent / "csrc" / "decoder_layers.cpp"
@@ -211,11 +211,11 @@ class NativeLayers:
         kind = {"packed": KINDS[PackedLinear], "int4": KINDS[Int4Linear], "narrow": KINDS[NarrowLinear]}[product.kind]
         scales = product.scales if product.scales is not None else torch.empty(0)
         if product.kind == "narrow":  # low: the rows from which the packed copy multiplies (0: none)
-            rows = ExactRows(product.packed_from, NARROW_MAX_ROWS)
+            rows, low_rows = NARROW_MAX_ROWS, product.packed_from
         else:
-            rows = product.rows or ExactRows(0, 0)
+            rows, low_rows = (product.rows.high, product.rows.low) if product.rows else (0, 0)
         packed = product.packed if product.packed is not None else torch.empty(0)
-        return self.extension.Product(kind, product.weight, scales, product.bias, rows.high, rows.low, GROUP,
+        return self.extension.Product(kind, product.weight, scales, product.bias, rows, low_rows, GROUP,
                                       product.splits, self._updates(product.wrapped), packed, torch.empty(0),
                                       list(product.padded_rows))
 
@@ -244,8 +244,7 @@ def layers_supported(layers: nn.ModuleList) -> bool:
     for layer in layers:
         if type(layer.mlp.act_fn) not in SILU or not getattr(layer.self_attn, "is_causal", True):
             return False
-        members = [getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        members += [getattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
+        members = [getattr(getattr(layer, block), name) for block, names in LINEAR_NAMES.items() for name in names]
         if any(type(base_of(m)) not in KINDS for m in members):
             return False
     return True

@@ -505,8 +505,8 @@ REFUSION_CLONES REFUSION_EXACT_PRODUCTS void weighted_values(const double* w, co
 // the values summed in fp64, rounded to T.
 // q: [B, T, H, D] fp64 contiguous; keys, values: the cache storage [B, H_kv, capacity, D] fp64, attended up to
 // column `length`; mask: additive [B, 1, T, >= length] or none. Returns [B, T, H * D] in T.
-// Columns past the last one a query row sees (mask at its dtype's lowest) are not multiplied: their score is the
-// mask's value, whose weight is 0 after the softmax as it would be with the product added.
+// Columns past the last one a query row sees (mask at its dtype's lowest) are not multiplied; no column it does not
+// see enters its softmax, and each gets weight 0, as it would with its product and the mask added.
 template <typename T>
 Tensor fused_exact_attention(const Tensor& q, const Tensor& keys, const Tensor& values,
                              const c10::optional<Tensor>& mask, double scaling, int64_t length, int64_t columns) {
