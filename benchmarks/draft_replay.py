@@ -1,0 +1,182 @@
+"""Draft policies of the exact mode replayed on the model's own answers: tokens per forward, and speed as the
+forward-cost curve prices it, without decoding.
+
+The exact mode commits AR decoding's tokens whatever it drafts, so how many tokens a round commits depends only on
+the answer AR decoding writes and on the drafts: given an answer, a draft policy can be replayed round by round
+without the model (the draft accepted while it equals the answer's next tokens). This replays the held-out part of
+the distilled sets (every `--every`-th answer of each set, from `--offset`; the draft table is rebuilt from the rest
+with the shipped settings, so no replayed answer was counted in it), at most `--max-new-tokens` tokens of each, and
+prices each round's forward by the loaded model's measured forward costs (`decode.costs.measure`, as the decoder
+does), or by a flat curve (`--flat-costs`: width free, as on a GPU). Policies:
+
+* `chain`: what the decoder does (prompt lookup first, else the table; the cost-aware count per source);
+* `choose`: per round, the source whose chain promises more tokens per second by its measured acceptance;
+* `tree`: the chain, plus the table's chain as a side branch (read in the same forward, as an attention group
+  reading the context and the next token) where both sources have drafts that differ at their first token;
+  the committed tokens are the longer accepted branch's;
+* `tree_runner_up`: where the chain is the table's, a side branch from the runner-up follower of the table's run
+  (the second most frequent next token), continued by the table.
+
+Modelled speed = (tokens x one-token cost) / (sum of each round's forward cost + a prefill priced as one token), so
+AR scores 1.00; the decoder's measured ratios are lower (docs/BENCHMARKS.md, Current results: *Draft trees,
+replayed*). Counts are deterministic. Ends with one JSON line.
+
+    python benchmarks/draft_replay.py [--every 20] [--offset 7] [--max-new-tokens 128] [--flat-costs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import time
+from pathlib import Path
+
+from refusion.decode.costs import AcceptanceByDepth, ForwardCosts, best_draft_count
+from refusion.decode.speculate import lookup_drafts
+from refusion.model.draft_table import DraftTable, answers_with_openings
+from refusion.model.embedded import PRESET_NAME
+from refusion.train.data import load_training_data, read_json_records, response_eos_id
+
+DATA = sorted(glob.glob(str(Path(__file__).parent.parent / "recipes" / "data" / "*.jsonl.gz")))
+
+
+def accepted_prefix(drafts: list[int], answer: list[int], at: int) -> int:
+    """How many of `drafts` equal the answer's tokens from `at` on."""
+    n = 0
+    while n < len(drafts) and at + n < len(answer) and drafts[n] == answer[at + n]:
+        n += 1
+    return n
+
+
+def expected_rate(drafts: list[int], acceptance: AcceptanceByDepth, costs: ForwardCosts) -> float:
+    """Expected tokens per second of verifying the cost-aware cut of `drafts` (the decoder's own estimate)."""
+    n = best_draft_count(len(drafts), acceptance, costs) if drafts else 0
+    expected, chance = 1.0, 1.0
+    for depth in range(1, n + 1):
+        chance *= acceptance.rate(depth)
+        expected += chance
+    return expected / costs.of(1 + n)
+
+
+def runner_ups(sequences: list[list[int]], orders: tuple[int, ...], min_count: int = 2) -> dict:
+    """{run: the second most frequent follower} of every run the table would hold (same counting)."""
+    counts = collections.defaultdict(collections.Counter)
+    for ids in sequences:
+        for order in orders:
+            for i in range(len(ids) - order):
+                counts[tuple(ids[i: i + order])][ids[i + order]] += 1
+    return {run: after.most_common(2)[1][0] for run, after in counts.items()
+            if sum(after.values()) >= min_count and len(after) > 1}
+
+
+def replay(prompt: list[int], answer: list[int], table: DraftTable, runner_up, costs: ForwardCosts, policy: str,
+           lookup_length: int, table_length: int) -> tuple[int, int, float, int]:
+    """(tokens, forwards, seconds, rounds won by the side branch) of the exact mode writing `answer`."""
+    acceptance = collections.defaultdict(AcceptanceByDepth)
+    text, at, forwards, seconds, side_wins = [*prompt, answer[0]], 1, 1, costs.of(1), 0  # the prefill's token
+    while at < len(answer):
+        look, tab = lookup_drafts(text, lookup_length), table.drafts(text, table_length)
+        source = "lookup" if look else "table"
+        if (policy == "choose" and look and tab
+                and expected_rate(tab, acceptance["table"], costs) > expected_rate(look, acceptance["lookup"], costs)):
+            source = "table"
+        drafts = look if source == "lookup" else tab
+        drafts = drafts[: best_draft_count(len(drafts), acceptance[source], costs)] if drafts else []
+        side = []
+        if policy == "tree" and look and tab and tab[0] != look[0]:
+            side = tab
+        elif policy == "tree_runner_up" and source == "table" and tab and (other := runner_up(text)) is not None:
+            side = [other, *table.drafts([*text, other], table_length - 1)]
+        if side:
+            side = side[: best_draft_count(len(side), acceptance["side"], costs, width=1 + len(drafts))]
+        accepted = accepted_prefix(drafts, answer, at)
+        if drafts:
+            acceptance[source].record(len(drafts), accepted)
+        if side:
+            side_accepted = accepted_prefix(side, answer, at)
+            acceptance["side"].record(len(side), side_accepted)
+            side_wins += side_accepted > accepted
+            accepted = max(accepted, side_accepted)
+        forwards, seconds = forwards + 1, seconds + costs.of(1 + len(drafts) + len(side))
+        step = min(accepted + 1, len(answer) - at)
+        text += answer[at: at + step]
+        at += step
+    return len(answer), forwards, seconds, side_wins
+
+
+def group_of(origin: str) -> str:
+    """A record's prompt group: open-ended requests by kind ("rewrite" is copy-heavy), the mix by task."""
+    if origin.startswith("open-ended"):
+        return "copy-heavy" if origin.split(":")[1] == "rewrite" else "open-ended"
+    return origin.split("/")[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", nargs="+", default=DATA, help="distilled answer sets (default: recipes/data)")
+    parser.add_argument("--every", type=int, default=20)
+    parser.add_argument("--offset", type=int, default=7)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--flat-costs", action="store_true", help="price every width as one token (a GPU)")
+    parser.add_argument("--policies", default="chain,choose,tree,tree_runner_up")
+    args = parser.parse_args()
+
+    import refusion
+
+    model, tokenizer = refusion.load()
+    setup = refusion.setup_of(model)
+    preset = refusion.DecodeConfig.from_preset(PRESET_NAME)
+    costs = setup.forward_costs
+    if args.flat_costs or costs is None:
+        costs = ForwardCosts((1, 2), (1.0, 1.0))
+    shipped = setup.draft_table
+    train_prompts, train_answers, held = [], [], collections.defaultdict(list)
+    for path in args.data:
+        origins = [record.get("origin", "") for _, record in read_json_records(path)]
+        data = load_training_data((path,), tokenizer, eos_id=response_eos_id(tokenizer), max_length=2**31)
+        for i, (origin, prompt, answer) in enumerate(zip(origins, data.prompts, data.responses)):
+            if i % args.every == args.offset:
+                held[group_of(origin)].append((prompt.tolist(), answer.tolist()[: args.max_new_tokens]))
+            else:
+                train_prompts.append(prompt.tolist())
+                train_answers.append(answer.tolist())
+    answers = answers_with_openings(train_prompts, train_answers, shipped.orders)
+    table = DraftTable.from_sequences(answers, shipped.orders, min_confidence=shipped.min_confidence)
+    policies = args.policies.split(",")
+    seconds = runner_ups(answers, shipped.orders) if "tree_runner_up" in policies else {}
+
+    def runner_up(text: list[int]) -> int | None:  # the second follower of the longest run the table reads
+        for order in table.orders:
+            if tuple(text[-order:]) in table.followers or tuple(text[-order:]) in seconds:
+                return seconds.get(tuple(text[-order:]))
+        return None
+    summary = {}
+    for policy in policies:
+        totals = [0, 0, 0.0, 0]
+        for group, items in sorted(held.items()):
+            counts = [0, 0, 0.0, 0]
+            for prompt, answer in items:
+                for k, v in enumerate(replay(prompt, answer, table, runner_up, costs, policy, preset.lookup_length,
+                                             preset.table_length)):
+                    counts[k] += v
+                    totals[k] += v
+            summary.setdefault(group, {})[policy] = result(counts, costs)
+        summary.setdefault("all", {})[policy] = result(totals, costs)
+    for group, row in summary.items():
+        print(group, f"({len(held.get(group, [])) or sum(map(len, held.values()))} answers)", row)
+    print(json.dumps({"benchmark": "draft_replay", "answers": {g: len(v) for g, v in held.items()},
+                      "table_runs": len(table.followers), "costs": costs.describe(), "flat_costs": args.flat_costs,
+                      "max_new_tokens": args.max_new_tokens, "summary": summary,
+                      "time": time.strftime("%Y-%m-%dT%H:%M:%S")}))
+
+
+def result(counts, costs: ForwardCosts) -> dict:
+    tokens, forwards, seconds, side_wins = counts
+    return {"tokens_per_forward": round(tokens / forwards, 3),
+            "modelled_speed": round(tokens * costs.of(1) / seconds, 3), "side_wins": side_wins}
+
+
+if __name__ == "__main__":
+    main()
