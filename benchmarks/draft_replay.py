@@ -9,19 +9,21 @@ with the shipped settings, so no replayed answer was counted in it), at most `--
 prices each round's forward by the loaded model's measured forward costs (`decode.costs.measure`, as the decoder
 does), or by a flat curve (`--flat-costs`: width free, as on a GPU). Policies:
 
-* `chain`: what the decoder does (prompt lookup first, else the table; the cost-aware count per source);
+* `chain`: one chain a round (prompt lookup first, else the table; the cost-aware count per source), as the
+  decoder did before runner-up chains;
+* `runner_up`: what the decoder does: where the chain is the table's, a second chain beside it in the same forward
+  (an attention group reading the context and the next token), from the table's runner-up follower of the run
+  (`speculate.runner_up_drafts`), cut by the same cost rule; the longer accepted chain's tokens are committed;
 * `choose`: per round, the source whose chain promises more tokens per second by its measured acceptance;
-* `tree`: the chain, plus the table's chain as a side branch (read in the same forward, as an attention group
-  reading the context and the next token) where both sources have drafts that differ at their first token;
-  the committed tokens are the longer accepted branch's;
-* `tree_runner_up`: where the chain is the table's, a side branch from the runner-up follower of the table's run
-  (the second most frequent next token), continued by the table.
+* `tree`: the chain, plus the table's chain as a second chain where both sources have drafts that differ at
+  their first token.
 
 Modelled speed = (tokens x one-token cost) / (sum of each round's forward cost + a prefill priced as one token), so
 AR scores 1.00; the decoder's measured ratios are lower (docs/BENCHMARKS.md, Current results: *Draft trees,
 replayed*). Counts are deterministic. Ends with one JSON line.
 
-    python benchmarks/draft_replay.py [--every 20] [--offset 7] [--max-new-tokens 128] [--flat-costs]
+    python benchmarks/draft_replay.py [--every 20] [--offset 7] [--max-new-tokens 128] [--flat-costs | --costs ...]
+                                      [--policies chain,runner_up,choose,tree]
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ import json
 import time
 from pathlib import Path
 
-from refusion.decode.costs import AcceptanceByDepth, ForwardCosts, best_draft_count
-from refusion.decode.speculate import lookup_drafts
+from refusion.decode.costs import AcceptanceByDepth, ForwardCosts, best_draft_count, expected_tokens
+from refusion.decode.speculate import lookup_drafts, runner_up_drafts
 from refusion.model.draft_table import DraftTable, answers_with_openings
 from refusion.model.embedded import PRESET_NAME
 from refusion.train.data import load_training_data, read_json_records, response_eos_id
@@ -60,18 +62,7 @@ def expected_rate(drafts: list[int], acceptance: AcceptanceByDepth, costs: Forwa
     return expected / costs.of(1 + n)
 
 
-def runner_ups(sequences: list[list[int]], orders: tuple[int, ...], min_count: int = 2) -> dict:
-    """{run: the second most frequent follower} of every run the table would hold (same counting)."""
-    counts = collections.defaultdict(collections.Counter)
-    for ids in sequences:
-        for order in orders:
-            for i in range(len(ids) - order):
-                counts[tuple(ids[i: i + order])][ids[i + order]] += 1
-    return {run: after.most_common(2)[1][0] for run, after in counts.items()
-            if sum(after.values()) >= min_count and len(after) > 1}
-
-
-def replay(prompt: list[int], answer: list[int], table: DraftTable, runner_up, costs: ForwardCosts, policy: str,
+def replay(prompt: list[int], answer: list[int], table: DraftTable, costs: ForwardCosts, policy: str,
            lookup_length: int, table_length: int) -> tuple[int, int, float, int]:
     """(tokens, forwards, seconds, rounds won by the side branch) of the exact mode writing `answer`."""
     acceptance = collections.defaultdict(AcceptanceByDepth)
@@ -87,10 +78,12 @@ def replay(prompt: list[int], answer: list[int], table: DraftTable, runner_up, c
         side = []
         if policy == "tree" and look and tab and tab[0] != look[0]:
             side = tab
-        elif policy == "tree_runner_up" and source == "table" and tab and (other := runner_up(text)) is not None:
-            side = [other, *table.drafts([*text, other], table_length - 1)]
+        elif policy == "runner_up" and source == "table":  # what the decoder does
+            side = runner_up_drafts(text, table, table_length)
         if side:
-            side = side[: best_draft_count(len(side), acceptance["side"], costs, width=1 + len(drafts))]
+            committed = 1 + expected_tokens(len(drafts), acceptance[source])
+            side = side[: best_draft_count(len(side), acceptance["side"], costs, width=1 + len(drafts),
+                                           committed=committed)]
         accepted = accepted_prefix(drafts, answer, at)
         if drafts:
             acceptance[source].record(len(drafts), accepted)
@@ -120,7 +113,9 @@ def main() -> None:
     parser.add_argument("--offset", type=int, default=7)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--flat-costs", action="store_true", help="price every width as one token (a GPU)")
-    parser.add_argument("--policies", default="chain,choose,tree,tree_runner_up")
+    parser.add_argument("--policies", default="chain,runner_up,choose,tree")
+    parser.add_argument("--costs", default=None, metavar="W:MS,...", help="forward costs by width, e.g. "
+                        "1:16.1,4:16.1,8:19.3,16:26.5 (default: the loaded model's probe)")
     args = parser.parse_args()
 
     import refusion
@@ -129,6 +124,12 @@ def main() -> None:
     setup = refusion.setup_of(model)
     preset = refusion.DecodeConfig.from_preset(PRESET_NAME)
     costs = setup.forward_costs
+    if args.costs:
+        try:
+            pairs = [pair.split(":") for pair in args.costs.split(",")]
+            costs = ForwardCosts(tuple(int(w) for w, _ in pairs), tuple(float(ms) / 1e3 for _, ms in pairs))
+        except ValueError:
+            parser.error(f"--costs {args.costs!r}: expected WIDTH:MS pairs, comma-separated")
     if args.flat_costs or costs is None:
         costs = ForwardCosts((1, 2), (1.0, 1.0))
     shipped = setup.draft_table
@@ -145,20 +146,13 @@ def main() -> None:
     answers = answers_with_openings(train_prompts, train_answers, shipped.orders)
     table = DraftTable.from_sequences(answers, shipped.orders, min_confidence=shipped.min_confidence)
     policies = args.policies.split(",")
-    seconds = runner_ups(answers, shipped.orders) if "tree_runner_up" in policies else {}
-
-    def runner_up(text: list[int]) -> int | None:  # the second follower of the longest run the table reads
-        for order in table.orders:
-            if tuple(text[-order:]) in table.followers or tuple(text[-order:]) in seconds:
-                return seconds.get(tuple(text[-order:]))
-        return None
     summary = {}
     for policy in policies:
         totals = [0, 0, 0.0, 0]
         for group, items in sorted(held.items()):
             counts = [0, 0, 0.0, 0]
             for prompt, answer in items:
-                for k, v in enumerate(replay(prompt, answer, table, runner_up, costs, policy, preset.lookup_length,
+                for k, v in enumerate(replay(prompt, answer, table, costs, policy, preset.lookup_length,
                                              preset.table_length)):
                     counts[k] += v
                     totals[k] += v

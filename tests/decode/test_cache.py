@@ -204,6 +204,18 @@ def test_commit_picks_one_group_when_two_hold_a_position():
     assert [int(cache.keys[0][0, 0, c, 1]) for c in range(cache.used) if cache.owner[0, c] == CONTEXT] == [0, 1, 1]
 
 
+def test_commit_takes_each_position_from_its_own_group():
+    """A second draft chain (group 1) beside the first (group 0) over the same positions: the next token from the
+    first, the rest from the second."""
+    cache = make_cache(1)
+    prefill(cache, 1)
+    forward(cache, [[0, 0, 0, 1, 1]], [[1, 2, 3, 2, 3]])
+    cache.commit(0, torch.tensor([1, 2, 3]), group=torch.tensor([0, 1, 1]))
+    assert live(cache) == [(CONTEXT, 0), (CONTEXT, 1), (CONTEXT, 2), (CONTEXT, 3)]
+    assert [int(cache.keys[0][0, 0, c, 1]) for c in range(cache.used) if cache.owner[0, c] == CONTEXT] == [0, 0, 1, 1]
+    assert cache.committed[0] == 4
+
+
 def test_commit_of_a_missing_position_breaks_the_invariant():
     cache = make_cache(1)
     prefill(cache, 2)

@@ -51,6 +51,17 @@ def test_runs_that_say_what_their_shorter_run_says_are_left_out_and_the_drafts_s
     assert sum(bool(table.drafts(text, 8)) for text in texts) > len(texts) // 2  # drafts were compared
 
 
+def test_the_table_keeps_each_run_s_runner_up_and_reads_it_from_the_run_its_chain_starts_from():
+    table = DraftTable.from_sequences([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 5], [9, 2, 3, 4]], orders=(3, 2),
+                                      min_count=2)
+    assert table.followers == {(1, 2, 3): (4, 2 / 3), (2, 3): (4, 3 / 4), (1, 2): (3, 1.0)}
+    assert table.runner_ups == {(1, 2, 3): 5, (2, 3): 5}  # each run's second most frequent follower, where it had one
+    assert table.runner_up([7, 1, 2, 3]) == 5 and table.runner_up([8, 2, 3]) == 5  # the run `drafts` reads
+    assert table.runner_up([1, 2]) is None  # no run
+    alone = DraftTable.from_sequences([[1, 2, 3], [1, 2, 3]], orders=(2,), min_count=2)
+    assert alone.runner_ups == {} and alone.runner_up([1, 2]) is None  # one follower only: no runner-up
+
+
 def test_drafts_walk_the_table_while_confident():
     table = DraftTable((2,), 0.3, {(1, 2): (3, 0.9), (2, 3): (4, 0.5), (3, 4): (5, 0.5), (4, 5): (6, 1.0)})
     assert table.drafts([9, 1, 2], 8) == [3, 4]  # 0.9 * 0.5 = 0.45 >= 0.3; * 0.5 = 0.225 < 0.3: stop
@@ -81,6 +92,7 @@ def test_a_table_saves_loads_and_a_damaged_file_is_a_one_line_error(tmp_path, la
     assert loaded.followers.keys() == table.followers.keys() and table.followers
     for run, (token, frequency) in table.followers.items():  # frequencies are stored in fp32
         assert loaded.followers[run] == (token, pytest.approx(frequency, rel=1e-6))
+    assert loaded.runner_ups == table.runner_ups == {(a, 3): 6}  # (1, a, 3) says what (a, 3) says: left out
     with safe_open(str(tmp_path / TABLE_FILE), "pt") as f:
         assert f.get_tensor("runs_3").dtype == (torch.uint16 if largest_id <= 65535 else torch.int32)
     saved = (tmp_path / TABLE_FILE).read_bytes()
@@ -107,6 +119,34 @@ def test_table_drafts_never_change_the_output_and_are_accepted_when_they_are_the
     assert with_table.stats.batch.forwards < without.stats.batch.forwards
     longest = max(len(e.tokens) for rounds in with_table.traces for r in rounds for e in r.planned)
     assert longest > 1  # only table drafts run longer than the one mask's
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_a_runner_up_chain_is_committed_where_it_is_the_model_s_and_the_output_stays_ar_s(arch):
+    """A table whose every follower is wrong and whose runner-ups are what AR decoding writes: each round commits
+    the next token and the runner-up (from the second chain), alone and in a batch, and the output is AR's."""
+    model = tiny_model(arch)
+    prompts = [[1, 5, 7, 9], [12, 13, 14, 15, 16]]
+    cfg = refusion.DecodeConfig(max_new_tokens=24, strategy="speculative", draft_length=0, table_length=4,
+                                eos_token_id=2)
+    ar = refusion.generate(model, prompts, cfg.replace(strategy="autoregressive")).sequences
+    followers, runner_ups = {}, {}
+    for prompt, answer in zip(prompts, ar):
+        text = prompt + answer
+        for i in range(len(prompt), len(text) - 1):
+            run = tuple(text[i - 1: i + 1])
+            if run not in followers:  # the first occurrence decides
+                wrong = (text[i + 1] + 1) % model.config.vocab_size
+                followers[run], runner_ups[run] = (wrong, 0.9), text[i + 1]
+    table = DraftTable((2,), 0.5, followers, runner_ups)
+    setup = setup_of(model).replace(draft_table=table)
+    without = refusion.generate(model, prompts, cfg, setup=setup.replace(draft_table=DraftTable((2,), 0.5, followers)))
+    alone = [refusion.generate(model, [p], cfg, setup=setup, trace=True) for p in prompts]
+    batch = refusion.generate(model, prompts, cfg, setup=setup)
+    assert [out.sequences[0] for out in alone] == batch.sequences == without.sequences == ar
+    rounds = [r for out in alone for r in out.traces[0]]
+    assert sum(len(r.committed[0].tokens) == 2 and len(r.planned) == 2 for r in rounds) > len(rounds) // 2
+    assert sum(out.stats.batch.forwards for out in alone) < sum(s.forwards for s in without.stats.per_sequence)
 
 
 def test_table_drafts_at_temperature_keep_the_output_reproducible_and_exact_in_greedy_limit():

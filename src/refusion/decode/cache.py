@@ -397,15 +397,19 @@ class SlotCache:
         row = self.row_of[seq_id]
         return row, self.owner[row, :self.used] >= 0
 
-    def commit(self, seq_id: int, positions: torch.Tensor, group: int | None = None) -> None:
-        """Pending entries at `positions` (of `group`, when several groups hold a position) join the context;
-        every other pending entry is dropped."""
+    def commit(self, seq_id: int, positions: torch.Tensor, group: int | torch.Tensor | None = None) -> None:
+        """Pending entries at `positions` (of `group`, when several groups hold a position; a tensor: the group of
+        each position) join the context; every other pending entry is dropped."""
         row, pending = self._pending(seq_id)
         everything = self._pending_count[seq_id] == positions.numel()  # nothing is dropped (host count)
         if self.check_invariants or not everything:
-            chosen = pending & torch.isin(self.pos[row, :self.used], positions)
-            if group is not None:
-                chosen &= self.owner[row, :self.used] == group
+            pos, owner = self.pos[row, :self.used], self.owner[row, :self.used]
+            if isinstance(group, torch.Tensor):  # an entry is chosen when its (position, group) is one of the pairs
+                chosen = pending & ((pos == positions[:, None]) & (owner == group[:, None])).any(0)
+            else:
+                chosen = pending & torch.isin(pos, positions)
+                if group is not None:
+                    chosen &= owner == group
         else:
             chosen = pending  # every pending entry is one of `positions`
         if self.check_invariants:

@@ -179,14 +179,26 @@ def fusing_pays(costs: ForwardCosts | None, width: int, plan_width: int, used: S
     return extra < used.value * (own_forward + (batch - 1) * padding) / batch
 
 
+def expected_tokens(count: int, acceptance: AcceptanceByDepth) -> float:
+    """Tokens a forward verifying `count` drafts of a chain is expected to commit for them: the sum over i <= count
+    of the chance that the first i are accepted."""
+    expected, chance = 0.0, 1.0
+    for depth in range(1, count + 1):
+        chance *= acceptance.rate(depth)
+        expected += chance
+    return expected
+
+
 def best_draft_count(available: int, acceptance: AcceptanceByDepth, costs: ForwardCosts, width: int = 1,
-                     batch: int = 1) -> int:
+                     batch: int = 1, committed: float = 1.0) -> int:
     """How many of `available` drafts to verify: the count that maximizes expected committed tokens per second of
     forward. `width`: the forward's other tokens (the next token: 1). `batch`: the sequences sharing the forward,
     each counted as verifying as many (a forward of batch * (width + n) rows, as `fusing_pays` counts them): where
-    a batch's rows cost compute, its sequences verify fewer drafts than one decoded alone."""
-    best, best_rate = 0, 1.0 / costs.of(batch * width)
-    expected, chance = 1.0, 1.0  # tokens committed: the next token, plus each draft times its chance
+    a batch's rows cost compute, its sequences verify fewer drafts than one decoded alone. `committed`: the tokens
+    the forward is expected to commit without these drafts (the next token: 1; with a first chain beside them, its
+    tokens too)."""
+    best, best_rate = 0, committed / costs.of(batch * width)
+    expected, chance = committed, 1.0  # plus each draft times its chance
     for n in range(1, available + 1):
         chance *= acceptance.rate(n)
         expected += chance

@@ -115,9 +115,9 @@ class Sequence:
         return shifted_token_logprobs(logits, tokens, self.cfg.logprobs) if self.wants_logprobs else None
 
     def commit(self, tokens: torch.Tensor, positions: torch.Tensor, *, cached: bool = True,
-               group: int | None = None, logprobs: TokenLogprobs | None = None) -> None:
+               group: int | torch.Tensor | None = None, logprobs: TokenLogprobs | None = None) -> None:
         """Append tokens to the context; their pending KV entries (of `group`, where several groups hold a
-        position) become context (KV reuse). `cached=False` for tokens that end the sequence before any
+        position; a tensor: each position's group) become context (KV reuse). `cached=False` for tokens that end the sequence before any
         forward saw them (they have no KV). `logprobs`: of the (response) tokens, one entry each, when the
         config asks for them."""
         if cached:

@@ -87,6 +87,15 @@ def text_drafts(text: list[int], lookup_length: int, table_length: int,
     return copied, "table" if copied else ""
 
 
+def runner_up_drafts(text: list[int], table: DraftTable | None, length: int) -> list[int]:
+    """A second chain from the draft table, verified beside its first one in the same forward: the token that
+    second most often followed the run the table's chain starts from, then what the table says follows it (up to
+    `length` tokens); [] when that run had no other follower. It starts where the first chain's first draft
+    stands, so at most one of the two is accepted past that point."""
+    second = table.runner_up(text) if table is not None and length else None
+    return [] if second is None else [second, *table.drafts([*text, second], length - 1)]
+
+
 def copied_drafts(tokens: list[int], vocab_size: int, temperature: float, device) -> Drafts:
     """Drafts copied from the text: drawn with certainty, so at temperature > 0 their draft distribution is
     one-hot (accepted with probability p(x), resampled from p without x otherwise: still exact)."""

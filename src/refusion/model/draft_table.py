@@ -50,6 +50,10 @@ class DraftTable:
     followers: dict[tuple[int, ...], tuple[int, float]] = field(repr=False)
     """{run of tokens: (the token that most often followed it, how often it did: count / runs)}."""
 
+    runner_ups: dict[tuple[int, ...], int] = field(default_factory=dict, repr=False)
+    """{run of `followers`: the token that second most often followed it}, for the runs that had another follower:
+    the exact mode verifies a chain from it beside the table's own chain (`runner_up_drafts`)."""
+
     @staticmethod
     def from_sequences(sequences: Iterable[list[int]], orders: Iterable[int] = DEFAULT_ORDERS, min_count: int = 2,
                        min_confidence: float = 0.1) -> DraftTable:
@@ -64,20 +68,33 @@ class DraftTable:
             for order in orders:
                 for i in range(len(ids) - order):
                     counts[tuple(ids[i: i + order])][ids[i + order]] += 1
-        followers = {}
+        followers, seconds = {}, {}
         for run, after in counts.items():
             total = sum(after.values())
             if total >= min_count:
-                token, n = after.most_common(1)[0]
+                (token, n), *second = after.most_common(2)
                 followers[run] = (token, n / total)
-        return DraftTable(orders, min_confidence, without_redundant_runs(followers, orders))
+                if second:
+                    seconds[run] = second[0][0]
+        followers = without_redundant_runs(followers, orders)
+        return DraftTable(orders, min_confidence, followers, {run: seconds[run] for run in followers if run in seconds})
 
     def follower(self, text: list[int]) -> tuple[int, float] | None:
         """(token, frequency) after the longest run of the text's last tokens in the table; None when none is."""
+        run = self.longest_run(text)
+        return None if run is None else self.followers[run]
+
+    def longest_run(self, text: list[int]) -> tuple[int, ...] | None:
+        """The longest run of the text's last tokens that the table holds; None when none is."""
         for order in self.orders:
-            if len(text) >= order and (found := self.followers.get(tuple(text[-order:]))) is not None:
-                return found
+            if len(text) >= order and (run := tuple(text[-order:])) in self.followers:
+                return run
         return None
+
+    def runner_up(self, text: list[int]) -> int | None:
+        """The token that second most often followed the run `follower` reads (None: it had no other)."""
+        run = self.longest_run(text)
+        return None if run is None else self.runner_ups.get(run)
 
     def drafts(self, text: list[int], length: int) -> list[int]:
         """Up to `length` tokens that the model's answers usually write after `text`; [] when its last tokens
@@ -98,6 +115,7 @@ class DraftTable:
 
         tensors = {}
         largest = max((max(*run, token) for run, (token, _) in self.followers.items()), default=0)
+        largest = max(largest, *self.runner_ups.values()) if self.runner_ups else largest
         ids = torch.uint16 if largest <= TOKEN_ID_U16_MAX else torch.int32  # a small vocabulary's ids in 2 bytes
         for order in self.orders:
             runs = [run for run in self.followers if len(run) == order]
@@ -105,6 +123,9 @@ class DraftTable:
             tensors[f"followers_{order}"] = torch.tensor([self.followers[r][0] for r in runs],
                                                          dtype=torch.int32).to(ids)
             tensors[f"frequencies_{order}"] = torch.tensor([self.followers[r][1] for r in runs], dtype=torch.float32)
+            if self.runner_ups:  # the follower itself where a run had no other
+                seconds = [self.runner_ups.get(r, self.followers[r][0]) for r in runs]
+                tensors[f"runner_ups_{order}"] = torch.tensor(seconds, dtype=torch.int32).to(ids)
         # one metadata entry: safetensors writes several in an order of its own, so two saves of one table
         # would differ in bytes
         settings = {"orders": list(self.orders), "min_confidence": self.min_confidence}
@@ -127,17 +148,24 @@ class DraftTable:
                 else:
                     raise ValueError("no orders in its metadata (tables of one order, from before 2026-11-25, "
                                      "are rebuilt with `refusion draft-table`)")
-                parts = [[f.get_tensor(f"{k}_{order}") for k in ("runs", "followers", "frequencies")]
-                         for order in orders]
+                names = ("runs", "followers", "frequencies")
+                if f"runner_ups_{orders[0]}" in set(f.keys()):  # tables from before 2026-11-28 have none
+                    names += ("runner_ups",)
+                parts = [[f.get_tensor(f"{k}_{order}") for k in names] for order in orders]
         except Exception as e:  # a damaged or foreign file: say which, not where safetensors tripped
             raise ValueError(f"{path} is not a draft table ({type(e).__name__}: {e})") from None
-        table = {}
-        for order, (runs, followers, frequencies) in zip(orders, parts):
-            if runs.shape != (followers.numel(), order) or frequencies.shape != followers.shape:
+        table, runner_ups = {}, {}
+        for order, (runs, followers, frequencies, *seconds) in zip(orders, parts):
+            if runs.shape != (followers.numel(), order) or any(t.shape != followers.shape
+                                                                for t in (frequencies, *seconds)):
                 raise ValueError(f"{path} is not a draft table (its tensors do not line up)")
-            runs = zip(*runs.T.tolist())  # each run as a tuple, made by zip from the columns: 3x faster than rows
-            table.update(zip(runs, zip(followers.tolist(), frequencies.tolist())))
-        return DraftTable(orders, min_confidence, table)
+            runs = list(zip(*runs.T.tolist()))  # each run as a tuple, made by zip from the columns: 3x faster than rows
+            followers = followers.tolist()
+            table.update(zip(runs, zip(followers, frequencies.tolist())))
+            if seconds:
+                runner_ups.update((run, second) for run, first, second in zip(runs, followers, seconds[0].tolist())
+                                  if second != first)
+        return DraftTable(orders, min_confidence, table, runner_ups)
 
 
 def without_redundant_runs(followers: dict[tuple[int, ...], tuple[int, float]],

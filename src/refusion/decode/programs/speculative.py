@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from refusion.decode.costs import AcceptanceByDepth, best_draft_count
+from refusion.decode.costs import AcceptanceByDepth, best_draft_count, expected_tokens
 from refusion.decode.logprobs import TokenLogprobs
 from refusion.decode.outputs import RoundTrace, SlotEvent
 from refusion.decode.plan import next_token
@@ -23,6 +23,7 @@ from refusion.decode.speculate import (
     confident_drafts,
     copied_drafts,
     draft_tokens_from_masks,
+    runner_up_drafts,
     text_drafts,
 )
 
@@ -38,6 +39,9 @@ class DraftingLayout:
     """Logits rows of the chain: the next token plus the drafts (1 in the prefill: the prompt's last token)."""
     branches: tuple[tuple[int, int], ...] = ()
     """(acceptance length, masks) of each chain of masks, in forward order."""
+    second_length: int = 0
+    """Logits rows of the second chain (the draft table's runner-up and what follows it), right after the chain's;
+    0: none. A forward with a second chain carries no masks."""
 
     @staticmethod
     def prefill(seq: Sequence, mask_positions: torch.Tensor) -> tuple[Forward, DraftingLayout]:
@@ -47,12 +51,19 @@ class DraftingLayout:
         return request, DraftingLayout(1, ((0, mask_positions.numel()),))
 
     @staticmethod
-    def verify(seq: Sequence, chain: torch.Tensor, position: int,
-               branches: list[tuple[int, torch.Tensor]]) -> tuple[Forward, DraftingLayout]:
+    def verify(seq: Sequence, chain: torch.Tensor, position: int, branches: list[tuple[int, torch.Tensor]],
+               second: torch.Tensor | None = None) -> tuple[Forward, DraftingLayout]:
         """A verify forward: `chain` (the next token and its drafts) at `position` onwards as group 0; each branch
-        (acceptance length, mask positions) as group n - length + 1, reading the chain up to its length-th draft."""
+        (acceptance length, mask positions) as group n - length + 1, reading the chain up to its length-th draft;
+        or `second`, other drafts of the same positions as the chain's drafts, as group 1 reading the next token
+        alone."""
         n = chain.numel() - 1
         request = Forward(chain, torch.arange(position, position + n + 1, device=seq.device), zeros(chain))
+        if second is not None and second.numel():
+            if branches:
+                raise ValueError("a forward with a second chain carries no masks")
+            positions = torch.arange(position + 1, position + 1 + second.numel(), device=seq.device)
+            return request.with_branch(second, positions, 1, position), DraftingLayout(n + 1, (), second.numel())
         for length, mask_positions in branches:
             request = request.with_branch(masks(seq, mask_positions), mask_positions, n - length + 1, position + length)
         return request, DraftingLayout(n + 1, tuple((length, m.numel()) for length, m in branches))
@@ -61,10 +72,14 @@ class DraftingLayout:
         """[chain_length, V]: row i is AR decoding's prediction after the chain's i-th token."""
         return logits[: self.chain_length]
 
+    def second_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """[second_length, V]: row i is AR decoding's prediction after the second chain's i-th token."""
+        return logits[self.chain_length: self.chain_length + self.second_length]
+
     def draft_logits(self, logits: torch.Tensor, accepted: int) -> torch.Tensor | None:
         """[d, V] the logits of the masks that draft after `accepted` accepted drafts; None when the forward drafted
         for no such length."""
-        offset = self.chain_length
+        offset = self.chain_length + self.second_length
         for length, count in self.branches:
             if length == accepted:
                 return logits[offset + 1: offset + count]
@@ -135,12 +150,20 @@ def speculative_program(seq: Sequence) -> Program:
             drafts = drafts[: best_draft_count(drafts.tokens.numel(), record, seq.forward_costs,
                                                batch=seq.cache.batch_size)]
         n = drafts.tokens.numel()
+        second = []  # greedy, a table's round: its runner-up chain beside its own (`speculate.runner_up_drafts`)
+        if source == "table" and cfg.temperature <= 0 and seq.grammar is None:
+            second = runner_up_drafts(text + [token_id], seq.draft_table, min(cfg.table_length, end - 1 - position))
+        second_record = acceptance.setdefault("runner_up", AcceptanceByDepth()) if second else None
+        if second and seq.forward_costs is not None:
+            second = second[: best_draft_count(len(second), second_record, seq.forward_costs, width=n + 1,
+                                               batch=seq.cache.batch_size, committed=1 + expected_tokens(n, record))]
         chain = torch.cat([token, drafts.tokens])
+        second_tokens = torch.tensor(second, dtype=torch.long, device=device) if second else None
         # a forward that verifies a copy carries no masks: the copy usually goes on, and without mask rows the
         # forward is narrower and skips a mask-gated adapter entirely
         lengths = [] if copied else range(n, -1, -1) if cfg.predraft else [n]
         branches = [(length, m) for length in lengths if (m := draft_masks(position + length)).numel() > 1]
-        request, layout = DraftingLayout.verify(seq, chain, position, branches)
+        request, layout = DraftingLayout.verify(seq, chain, position, branches, second_tokens)
         logits = yield request
 
         verifying = layout.chain_logits(logits)
@@ -149,27 +172,42 @@ def speculative_program(seq: Sequence) -> Program:
         accepted, following, following_id = accept_drafts(drafts, verifying, cfg.temperature, seq.generator)
         if record is not None and n:
             record.record(n, accepted)
+        # the accepted drafts, and the AR rows that predict each of them and the following token (row i of the
+        # chain predicts its token i + 1)
+        path, path_ids, rows = drafts.tokens[:accepted], list(drafts.ids[:accepted]), verifying[: accepted + 1]
+        groups = 0  # pre-drafts may share positions
+        if second:
+            on_second = 0
+            if accepted == 0 and following_id == second[0]:  # AR's token is the runner-up: its chain goes on
+                more, following, following_id = accept_drafts(copied_drafts(second[1:], logits.shape[-1], 0.0, device),
+                                                              layout.second_logits(logits), 0.0, seq.generator)
+                on_second = 1 + more
+                path, path_ids = second_tokens[:on_second], second[:on_second]
+                rows = torch.cat([verifying[:1], layout.second_logits(logits)[:on_second]])
+                groups = torch.tensor([0] + [1] * on_second, device=device)
+            second_record.record(len(second), on_second)
+            accepted = max(accepted, on_second)
         if seq.grammar is not None:
-            seq.grammar.consume(list(drafts.ids[:accepted]))
-        tokens = chain[: accepted + 1]
+            seq.grammar.consume(path_ids)
+        tokens = torch.cat([token, path])
         # logprobs: the next token's from the forward that decided it, each accepted draft's and the following
-        # token's from this forward's AR rows (row i predicts chain token i + 1)
-        verified = seq.logprobs_of(layout.chain_logits(logits)[: accepted + 1],
-                                   torch.cat([drafts.tokens[:accepted], following]))
+        # token's from this forward's AR rows
+        verified = seq.logprobs_of(rows, torch.cat([path, following]))
         logprobs = None if verified is None else TokenLogprobs.cat([token_logprobs, verified[:accepted]])
-        committed = [token_id, *drafts.ids[:accepted]]
+        committed = [token_id, *path_ids]
         cut = next((i + 1 for i, t in enumerate(committed) if seq.is_eos_id(t)), None)  # just after the first EOS
         done = cut is not None
         if done:
             tokens, committed, logprobs = tokens[:cut], committed[:cut], None if logprobs is None else logprobs[:cut]
-        seq.commit(tokens, request.positions[: tokens.numel()], group=0,  # pre-drafts may share positions
+            groups = groups if isinstance(groups, int) else groups[:cut]
+        seq.commit(tokens, torch.arange(position, position + tokens.numel(), device=device), group=groups,
                    logprobs=logprobs)
         text += committed
         seq.record(RoundTrace(index=seq.stats.rounds, block=0, masked_slots=[],
-                              planned=[SlotEvent(position + 1, list(drafts.ids))] if n else [],
+                              planned=[SlotEvent(position + 1, list(d)) for d in (drafts.ids, second) if d],
                               committed=[SlotEvent(position, committed)], how="speculative",
-                              forwards=sum(phases.values()), finished=done, phase_forwards=phases, drafted=n,
-                              accepted=min(accepted, tokens.numel() - 1)))
+                              forwards=sum(phases.values()), finished=done, phase_forwards=phases,
+                              drafted=n + len(second), accepted=min(accepted, tokens.numel() - 1)))
         phases = {}
         position += accepted + 1
         if done or position == end:
