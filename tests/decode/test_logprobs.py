@@ -64,6 +64,23 @@ def test_exact_mode_logprobs_equal_autoregressive_decodings(model64, settings):
 
 
 @torch.inference_mode()
+def test_tokens_committed_from_a_runner_up_chain_report_ar_decoding_s_logprobs(model64):
+    from refusion.model.setup import setup_of
+    from tests.model.test_draft_table import runner_up_table
+
+    cfg = refusion.DecodeConfig(max_new_tokens=16, eos_token_id=EOS, logprobs=4)
+    ar = refusion.generate(model64, PROMPTS, cfg.replace(strategy="autoregressive"))
+    setup = setup_of(model64).replace(draft_table=runner_up_table(PROMPTS, ar.sequences, model64.config.vocab_size))
+    exact = refusion.generate(model64, PROMPTS, cfg.replace(strategy="speculative", draft_length=0, table_length=4),
+                              setup=setup, trace=True)
+    assert exact.sequences == ar.sequences
+    assert any(len(r.planned) == 2 and len(r.committed[0].tokens) > 1 for rounds in exact.traces for r in rounds)
+    for ours, theirs in zip(exact.logprobs, ar.logprobs):
+        assert [lp.logprob for lp in ours] == pytest.approx([lp.logprob for lp in theirs], abs=1e-9)
+        assert [[i for i, _ in lp.top] for lp in ours] == [[i for i, _ in lp.top] for lp in theirs]
+
+
+@torch.inference_mode()
 @pytest.mark.parametrize("strategy", ["autoregressive", "speculative"])
 def test_sampled_tokens_report_the_untempered_distribution(model64, strategy):
     out = refusion.generate(model64, PROMPTS, max_new_tokens=12, strategy=strategy, eos_token_id=EOS, logprobs=3,

@@ -121,6 +121,19 @@ def test_table_drafts_never_change_the_output_and_are_accepted_when_they_are_the
     assert longest > 1  # only table drafts run longer than the one mask's
 
 
+def runner_up_table(prompts: list[list[int]], answers: list[list[int]], vocab_size: int) -> DraftTable:
+    """A table of runs of 2 whose every follower is wrong for these answers and whose runner-up is right (where a
+    run occurs twice, its first occurrence decides)."""
+    followers, runner_ups = {}, {}
+    for prompt, answer in zip(prompts, answers):
+        text = prompt + answer
+        for i in range(len(prompt), len(text) - 1):
+            run = tuple(text[i - 1: i + 1])
+            if run not in followers:
+                followers[run], runner_ups[run] = ((text[i + 1] + 1) % vocab_size, 0.9), text[i + 1]
+    return DraftTable((2,), 0.5, followers, runner_ups)
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_a_runner_up_chain_is_committed_where_it_is_the_model_s_and_the_output_stays_ar_s(arch):
     """A table whose every follower is wrong and whose runner-ups are what AR decoding writes: each round commits
@@ -130,17 +143,10 @@ def test_a_runner_up_chain_is_committed_where_it_is_the_model_s_and_the_output_s
     cfg = refusion.DecodeConfig(max_new_tokens=24, strategy="speculative", draft_length=0, table_length=4,
                                 eos_token_id=2)
     ar = refusion.generate(model, prompts, cfg.replace(strategy="autoregressive")).sequences
-    followers, runner_ups = {}, {}
-    for prompt, answer in zip(prompts, ar):
-        text = prompt + answer
-        for i in range(len(prompt), len(text) - 1):
-            run = tuple(text[i - 1: i + 1])
-            if run not in followers:  # the first occurrence decides
-                wrong = (text[i + 1] + 1) % model.config.vocab_size
-                followers[run], runner_ups[run] = (wrong, 0.9), text[i + 1]
-    table = DraftTable((2,), 0.5, followers, runner_ups)
+    table = runner_up_table(prompts, ar, model.config.vocab_size)
     setup = setup_of(model).replace(draft_table=table)
-    without = refusion.generate(model, prompts, cfg, setup=setup.replace(draft_table=DraftTable((2,), 0.5, followers)))
+    without = refusion.generate(model, prompts, cfg,
+                                setup=setup.replace(draft_table=DraftTable((2,), 0.5, table.followers)))
     alone = [refusion.generate(model, [p], cfg, setup=setup, trace=True) for p in prompts]
     batch = refusion.generate(model, prompts, cfg, setup=setup)
     assert [out.sequences[0] for out in alone] == batch.sequences == without.sequences == ar

@@ -89,7 +89,10 @@ class Replay:
             self.cells += [Cell(HIDDEN)] * (self.visible - len(self.cells))
         cells = [Cell(MASKED) if c.state == HIDDEN and i < self.visible else c for i, c in enumerate(self.cells)]
         scores = {s.start: s.score for s in rnd.planned}
-        planned = {s.start - p + j: (s.start - p, text, s.score) for s in rnd.planned for j, text in enumerate(s.texts)}
+        planned = {}  # where two chains draft a position (the exact mode's runner-up chain), the first one's draft
+        for s in rnd.planned:
+            for j, text in enumerate(s.texts):
+                planned.setdefault(s.start - p + j, (s.start - p, text, s.score))
         committed = set()
         for s in rnd.committed:
             for j, text in enumerate(s.texts):

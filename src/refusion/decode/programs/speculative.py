@@ -2,7 +2,8 @@
 decoding's, token for token, while a forward can commit several tokens (docs/DECODING.md, "The exact mode").
 
 Every forward carries the next token (already decided by the previous forward's AR logits) and the drafts after
-it (the chain), followed by chains of masks that draft the tokens after the next one. `DraftingLayout` builds that
+it (the chain), followed by chains of masks that draft the tokens after the next one, or by a second chain of drafts
+for the same positions (the draft table's runner-up). `DraftingLayout` builds that
 forward and reads its logits back, so the layout lives in one place.
 """
 
@@ -96,7 +97,8 @@ def speculative_program(seq: Sequence) -> Program:
     is accepted; `cfg.predraft` adds one chain of masks per possible acceptance length. With
     `cfg.lookup_length`, a round whose last tokens occurred earlier in the text verifies the tokens that followed
     them instead (prompt lookup), without masks; with `cfg.table_length`, a round with nothing to copy verifies
-    what the model's draft table says usually follows, also without masks. Where the model's forward costs were
+    what the model's draft table says usually follows, also without masks, and (greedy) a second chain beside it
+    from the table's runner-up follower (`speculate.runner_up_drafts`). Where the model's forward costs were
     measured (`ModelSetup.forward_costs`), a round verifies only as many copied drafts as pay for the wider forward
     at the acceptance this sequence has seen from their source (`decode.costs`).
     """
@@ -173,8 +175,9 @@ def speculative_program(seq: Sequence) -> Program:
         if record is not None and n:
             record.record(n, accepted)
         # the accepted drafts, and the AR rows that predict each of them and the following token (row i of the
-        # chain predicts its token i + 1)
-        path, path_ids, rows = drafts.tokens[:accepted], list(drafts.ids[:accepted]), verifying[: accepted + 1]
+        # chain predicts its token i + 1; unmasked by a grammar: the logprobs are the model's)
+        ar_rows = layout.chain_logits(logits)
+        path, path_ids, rows = drafts.tokens[:accepted], list(drafts.ids[:accepted]), ar_rows[: accepted + 1]
         groups = 0  # pre-drafts may share positions
         if second:
             on_second = 0
@@ -183,7 +186,7 @@ def speculative_program(seq: Sequence) -> Program:
                                                               layout.second_logits(logits), 0.0, seq.generator)
                 on_second = 1 + more
                 path, path_ids = second_tokens[:on_second], second[:on_second]
-                rows = torch.cat([verifying[:1], layout.second_logits(logits)[:on_second]])
+                rows = torch.cat([ar_rows[:1], layout.second_logits(logits)[:on_second]])
                 groups = torch.tensor([0] + [1] * on_second, device=device)
             second_record.record(len(second), on_second)
             accepted = max(accepted, on_second)
