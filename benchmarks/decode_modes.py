@@ -7,12 +7,13 @@ speed ratio to AR, forwards per phase, how many outputs equal AR decoding's, dra
 preset's own mode as `refusion generate` decodes it. Ends with one JSON line.
 
     python benchmarks/decode_modes.py [--model PATH|random] [--task gsm8k] [--prompts 30] [--skip 0]
-                                      [--max-new-tokens 256] [--preset NAME] [--tables FILE ...]
+                                      [--max-new-tokens 256] [--preset NAME] [--tables FILE ...] [--one-chain]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import platform
@@ -70,6 +71,8 @@ def main() -> None:
     parser.add_argument("--tables", nargs="+", default=[], metavar="FILE",
                         help="other draft tables (draft_table.safetensors files): every speculative mode is also run "
                              "with each of them, named with the suffix _table1, _table2, ...")
+    parser.add_argument("--one-chain", action="store_true", help="also each speculative mode with the model's draft "
+                        "table less its runner-ups (one chain a round, as before runner-up chains)")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--attn", default=None,
                         help="attention implementation: sdpa, eager or refusion_exact (default: what load picks)")
@@ -96,6 +99,11 @@ def main() -> None:
         for name in speculative:
             chosen[f"{name}_table{i}"] = chosen[name]
             setups[f"{name}_table{i}"] = setups[name].replace(draft_table=table)
+    if args.one_chain and setup_of(model).draft_table is not None:
+        table = dataclasses.replace(setup_of(model).draft_table, runner_ups={})
+        for name in speculative:
+            chosen[f"{name}_one_chain"] = chosen[name]
+            setups[f"{name}_one_chain"] = setups[name].replace(draft_table=table)
     for name, cfg in chosen.items():  # warm-up
         generate(model, prompts[:1], cfg.replace(max_new_tokens=8), setup=setups[name])
 
