@@ -71,11 +71,11 @@ def test_tokens_committed_from_a_runner_up_chain_report_ar_decoding_s_logprobs(m
     cfg = refusion.DecodeConfig(max_new_tokens=16, eos_token_id=EOS, logprobs=4)
     ar = refusion.generate(model64, PROMPTS, cfg.replace(strategy="autoregressive"))
     setup = setup_of(model64).replace(draft_table=runner_up_table(PROMPTS, ar.sequences, model64.config.vocab_size))
-    exact = refusion.generate(model64, PROMPTS, cfg.replace(strategy="speculative", draft_length=0, table_length=4),
-                              setup=setup, trace=True)
-    assert exact.sequences == ar.sequences
-    assert any(len(r.planned) == 2 and len(r.committed[0].tokens) > 1 for rounds in exact.traces for r in rounds)
-    for ours, theirs in zip(exact.logprobs, ar.logprobs):
+    exact = [refusion.generate(model64, [p], cfg.replace(strategy="speculative", draft_length=0, table_length=4),
+                               setup=setup, trace=True) for p in PROMPTS]  # alone: a batch verifies one chain
+    assert [out.sequences[0] for out in exact] == ar.sequences
+    assert any(len(r.planned) == 2 and len(r.committed[0].tokens) > 1 for out in exact for r in out.traces[0])
+    for ours, theirs in zip([out.logprobs[0] for out in exact], ar.logprobs):
         assert [lp.logprob for lp in ours] == pytest.approx([lp.logprob for lp in theirs], abs=1e-9)
         assert [[i for i, _ in lp.top] for lp in ours] == [[i for i, _ in lp.top] for lp in theirs]
 

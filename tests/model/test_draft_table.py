@@ -136,8 +136,9 @@ def runner_up_table(prompts: list[list[int]], answers: list[list[int]], vocab_si
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_a_runner_up_chain_is_committed_where_it_is_the_model_s_and_the_output_stays_ar_s(arch):
-    """A table whose every follower is wrong and whose runner-ups are what AR decoding writes: each round commits
-    the next token and the runner-up (from the second chain), alone and in a batch, and the output is AR's."""
+    """A table whose every follower is wrong and whose runner-ups are what AR decoding writes: each round of a
+    sequence decoded alone commits the next token and the runner-up (from the second chain); a batch verifies one
+    chain a round (until one sequence is left); the output is AR's either way."""
     model = tiny_model(arch)
     prompts = [[1, 5, 7, 9], [12, 13, 14, 15, 16]]
     cfg = refusion.DecodeConfig(max_new_tokens=24, strategy="speculative", draft_length=0, table_length=4,

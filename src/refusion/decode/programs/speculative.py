@@ -152,8 +152,11 @@ def speculative_program(seq: Sequence) -> Program:
             drafts = drafts[: best_draft_count(drafts.tokens.numel(), record, seq.forward_costs,
                                                batch=seq.cache.batch_size)]
         n = drafts.tokens.numel()
-        second = []  # greedy, a table's round: its runner-up chain beside its own (`speculate.runner_up_drafts`)
-        if source == "table" and cfg.temperature <= 0 and seq.grammar is None:
+        # greedy, a table's round of a sequence decoded alone: the runner-up chain beside the table's own
+        # (`speculate.runner_up_drafts`); in a batch, whose steps are its slowest sequence's, it saved no forward
+        # (docs/BENCHMARKS.md, Current results: *Runner-up chains*)
+        second = []
+        if source == "table" and cfg.temperature <= 0 and seq.grammar is None and seq.cache.batch_size == 1:
             second = runner_up_drafts(text + [token_id], seq.draft_table, min(cfg.table_length, end - 1 - position))
         second_record = acceptance.setdefault("runner_up", AcceptanceByDepth()) if second else None
         if second and seq.forward_costs is not None:
