@@ -117,9 +117,9 @@ class Sequence:
     def commit(self, tokens: torch.Tensor, positions: torch.Tensor, *, cached: bool = True,
                group: int | torch.Tensor | None = None, logprobs: TokenLogprobs | None = None) -> None:
         """Append tokens to the context; their pending KV entries (of `group`, where several groups hold a
-        position; a tensor: each position's group) become context (KV reuse). `cached=False` for tokens that end the sequence before any
-        forward saw them (they have no KV). `logprobs`: of the (response) tokens, one entry each, when the
-        config asks for them."""
+        position; a tensor: each position's group) become context (KV reuse). `cached=False` for tokens that end
+        the sequence before any forward saw them (they have no KV). `logprobs`: of the (response) tokens, one
+        entry each, when the config asks for them."""
         if cached:
             self.cache.commit(self.id, positions, group)
         self.committed_tokens.append(tokens)

@@ -161,7 +161,7 @@ def speculative_program(seq: Sequence) -> Program:
         second_record = acceptance.setdefault("runner_up", AcceptanceByDepth()) if second else None
         if second and seq.forward_costs is not None:
             second = second[: best_draft_count(len(second), second_record, seq.forward_costs, width=n + 1,
-                                               batch=seq.cache.batch_size, committed=1 + expected_tokens(n, record))]
+                                               committed=1 + expected_tokens(n, record))]
         chain = torch.cat([token, drafts.tokens])
         second_tokens = torch.tensor(second, dtype=torch.long, device=device) if second else None
         # a forward that verifies a copy carries no masks: the copy usually goes on, and without mask rows the
