@@ -56,11 +56,7 @@ def accepted_prefix(drafts: list[int], answer: list[int], at: int) -> int:
 def expected_rate(drafts: list[int], acceptance: AcceptanceByDepth, costs: ForwardCosts) -> float:
     """Expected tokens per second of verifying the cost-aware cut of `drafts` (the decoder's own estimate)."""
     n = best_draft_count(len(drafts), acceptance, costs) if drafts else 0
-    expected, chance = 1.0, 1.0
-    for depth in range(1, n + 1):
-        chance *= acceptance.rate(depth)
-        expected += chance
-    return expected / costs.of(1 + n)
+    return (1 + expected_tokens(n, acceptance)) / costs.of(1 + n)
 
 
 def replay(prompt: list[int], answer: list[int], table: DraftTable, costs: ForwardCosts, policy: str,

@@ -171,7 +171,8 @@ def speculative_program(seq: Sequence) -> Program:
         request, layout = DraftingLayout.verify(seq, chain, position, branches, second_tokens)
         logits = yield request
 
-        verifying = layout.chain_logits(logits)
+        ar_rows = layout.chain_logits(logits)
+        verifying = ar_rows
         if seq.grammar is not None:  # each row masked by the grammar state after the chain tokens before it
             verifying = seq.grammar.mask_chain(verifying, list(drafts.ids))
         accepted, following, following_id = accept_drafts(drafts, verifying, cfg.temperature, seq.generator)
@@ -179,17 +180,17 @@ def speculative_program(seq: Sequence) -> Program:
             record.record(n, accepted)
         # the accepted drafts, and the AR rows that predict each of them and the following token (row i of the
         # chain predicts its token i + 1; unmasked by a grammar: the logprobs are the model's)
-        ar_rows = layout.chain_logits(logits)
         path, path_ids, rows = drafts.tokens[:accepted], list(drafts.ids[:accepted]), ar_rows[: accepted + 1]
         groups = 0  # pre-drafts may share positions
         if second:
             on_second = 0
             if accepted == 0 and following_id == second[0]:  # AR's token is the runner-up: its chain goes on
+                second_rows = layout.second_logits(logits)
                 more, following, following_id = accept_drafts(copied_drafts(second[1:], logits.shape[-1], 0.0, device),
-                                                              layout.second_logits(logits), 0.0, seq.generator)
+                                                              second_rows, 0.0, seq.generator)
                 on_second = 1 + more
                 path, path_ids = second_tokens[:on_second], second[:on_second]
-                rows = torch.cat([ar_rows[:1], layout.second_logits(logits)[:on_second]])
+                rows = torch.cat([ar_rows[:1], second_rows[:on_second]])
                 groups = torch.tensor([0] + [1] * on_second, device=device)
             second_record.record(len(second), on_second)
             accepted = max(accepted, on_second)
