@@ -42,6 +42,8 @@ from refusion.model.draft_table import DraftTable, answers_with_openings
 from refusion.model.embedded import PRESET_NAME
 from refusion.train.data import load_training_data, read_json_records, response_eos_id
 
+POLICIES = ("chain", "runner_up", "choose", "tree")
+"""The draft policies `replay` knows (the module docstring)."""
 DATA = sorted(glob.glob(str(Path(__file__).parent.parent / "recipes" / "data" / "*.jsonl.gz")))
 
 
@@ -110,23 +112,27 @@ def main() -> None:
     parser.add_argument("--offset", type=int, default=7)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--flat-costs", action="store_true", help="price every width as one token (a GPU)")
-    parser.add_argument("--policies", default="chain,runner_up,choose,tree")
+    parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--costs", default=None, metavar="W:MS,...", help="forward costs by width, e.g. "
                         "1:16.1,4:16.1,8:19.3,16:26.5 (default: the loaded model's probe)")
     args = parser.parse_args()
-
-    import refusion
-
-    model, tokenizer = refusion.load()
-    setup = refusion.setup_of(model)
-    preset = refusion.DecodeConfig.from_preset(PRESET_NAME)
-    costs = setup.forward_costs
+    policies = args.policies.split(",")
+    if unknown := [p for p in policies if p not in POLICIES]:
+        parser.error(f"--policies: unknown {', '.join(unknown)} (known: {', '.join(POLICIES)})")
+    costs = None  # the loaded model's probe, unless given
     if args.costs:
         try:
             pairs = [pair.split(":") for pair in args.costs.split(",")]
             costs = ForwardCosts(tuple(int(w) for w, _ in pairs), tuple(float(ms) / 1e3 for _, ms in pairs))
         except ValueError:
             parser.error(f"--costs {args.costs!r}: expected WIDTH:MS pairs, comma-separated")
+
+    import refusion
+
+    model, tokenizer = refusion.load()
+    setup = refusion.setup_of(model)
+    preset = refusion.DecodeConfig.from_preset(PRESET_NAME)
+    costs = costs or setup.forward_costs
     if args.flat_costs or costs is None:
         costs = ForwardCosts((1, 2), (1.0, 1.0))
     shipped = setup.draft_table
@@ -142,7 +148,6 @@ def main() -> None:
                 train_answers.append(answer.tolist())
     answers = answers_with_openings(train_prompts, train_answers, shipped.orders)
     table = DraftTable.from_sequences(answers, shipped.orders, min_confidence=shipped.min_confidence)
-    policies = args.policies.split(",")
     summary = {}
     for policy in policies:
         totals = [0, 0, 0.0, 0]
