@@ -169,14 +169,67 @@ def one_token_steps(model, run, steps: int = 64) -> list[torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("kind", KINDS)
-def test_mask_gated_updates_land_where_the_python_loop_puts_them(kind, gated, monkeypatch):
+def test_mask_gated_updates_land_where_the_python_loop_puts_them(kind, gated, kernel, monkeypatch):
+    """By the extension's loops (`gated_lora.mask_update`) or by ATen's products, as the Python loop computes them."""
     model = model_with(kind, "qwen2", seed=3)  # fused products with a bias, updates on q/k/v and gate/up
-    gate_adapters(model)
+    gate_adapters(model).kernel = kernel
     if not gated:  # the listed-rows path (wide forwards) instead of every row times the gate
         monkeypatch.setattr(gated_lora, "MAX_ROWS", 0)
     assert_same(fp64_forwards(model, native_run(model)), fp64_forwards(model, python_run(model)))
+
+
+def update_inputs(rows: int, in_features: int, rank: int, cols: int, dtype: torch.dtype, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    a = torch.randn(in_features, rank, generator=generator)
+    b = torch.randn(rank, cols, generator=generator)
+    out = torch.randn(rows, cols, generator=generator).to(dtype)
+    return x, a, b, out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(576, 16, 96), (37, 6, 20), (64, 33, 7)])  # ranks by 16, 4 and 1 columns
+def test_mask_update_adds_the_low_rank_product_at_the_listed_rows_only(shape, dtype):
+    in_features, rank, cols = shape
+    x, a, b, out = update_inputs(9, in_features, rank, cols, dtype)
+    rows = torch.tensor([1, 4, 8])
+    before = out.clone()
+    with torch.inference_mode():
+        assert gated_lora.mask_update(x, rows, a, b, out)
+    exact = before[rows].double() + x[rows].double() @ a.double() @ b.double()
+    scale = (x[rows].double().abs() @ a.double().abs() @ b.double().abs()).max()
+    tolerance = 1e-5 * scale if dtype == torch.float32 else 1e-2 * scale  # fp32 sums; bf16 output rounding
+    assert (out[rows].double() - exact).abs().max() <= tolerance
+    others = [r for r in range(9) if r not in rows.tolist()]
+    assert torch.equal(out[others], before[others])
+
+
+def test_mask_update_gives_a_row_the_same_bits_alone_or_with_others_and_from_bf16_weights():
+    """A row's update depends on that row alone, whatever else is listed (unlike a GEMM's blocking); weights held
+    in bf16 (`gated_lora.exact_bf16`: where that is exact) give the bits of the same values in fp32."""
+    x, a, b, out = update_inputs(12, 96, 16, 40, torch.bfloat16, seed=1)
+    a, b = a.bfloat16().float(), b.bfloat16().float()
+    together, alone, low_bytes = out.clone(), out.clone(), out.clone()
+    with torch.inference_mode():
+        gated_lora.mask_update(x, torch.arange(12), a, b, together)
+        gated_lora.mask_update(x, torch.tensor([5]), a, b, alone)
+        gated_lora.mask_update(x, torch.arange(12), gated_lora.exact_bf16(a), gated_lora.exact_bf16(b), low_bytes)
+    assert torch.equal(alone[5], together[5])
+    assert gated_lora.exact_bf16(a).dtype == torch.bfloat16
+    assert torch.equal(low_bytes, together)
+    assert gated_lora.exact_bf16(a / 3).dtype == torch.float32  # not held exactly: kept as it is
+
+
+def test_mask_update_leaves_autograd_and_other_layouts_to_aten():
+    x, a, b, out = update_inputs(4, 32, 4, 8, torch.float32)
+    rows = torch.tensor([0, 2])
+    assert not gated_lora.mask_update(x, rows, a, b, out)  # autograd on: ATen's products, which it records
+    with torch.inference_mode():
+        assert not gated_lora.mask_update(x.t().contiguous().t(), rows, a, b, out)  # columns not contiguous
+        assert not gated_lora.mask_update(x.half(), rows, a, b, out)
 
 
 @pytest.mark.parametrize("gated", [True, False])

@@ -22,6 +22,9 @@ class MaskRows:
         """[B, S, 1] bool: which positions hold the mask token."""
         self.rows = None
         """Flat indices (into B * S) of those positions."""
+        self.kernel = True
+        """Whether the updates are computed by `mask_update` where it takes them (on the CPU); False: by ATen's
+        products, as before it (`benchmarks/drafters.py --aten-updates` compares the two)."""
         self.handle = model.get_input_embeddings().register_forward_pre_hook(self._read)
 
     def _read(self, module, args, kwargs=None):
@@ -38,12 +41,32 @@ class MaskRows:
         return self.dense is not None and (self.rows is None or self.dense.numel() <= MAX_ROWS)
 
 
+def exact_bf16(t: torch.Tensor) -> torch.Tensor:
+    """`t` in bf16 where that holds every value exactly, else `t` itself."""
+    low = t.to(torch.bfloat16)
+    return low if torch.equal(low.float(), t) else t
+
+
+def mask_update(x: torch.Tensor, rows: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                out: torch.Tensor) -> bool:
+    """`out[rows] += (x[rows] @ lora_a) @ lora_b` by the native extension's loops (model/csrc, *mask updates*), on
+    the CPU outside autograd; False (nothing done) where they do not take these inputs, or the extension is off.
+    The C++ layers call the same loops for the same inputs, so every path gives a mask row the same bits; a row's
+    result depends on that row alone. Two ATen products per member would cost each forward with masks ~4.5 ms of
+    dispatch on refusion-smol (420 tiny products), these loops ~0.3 ms at one mask row."""
+    if x.device.type != "cpu" or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return False
+    from refusion.model.native import native_extension  # the extension imports this module
+
+    extension = native_extension()
+    return extension is not None and extension.mask_update(x, rows, lora_a, lora_b, out)
+
+
 class MaskGatedLoRA(nn.Module):
     """A linear layer plus a LoRA update applied only at the mask rows (inference; the base layer is untouched).
 
-    The update is computed in fp32 whatever the base's dtype: on the CPU, bf16 products this small cost more than
-    fp32 ones (210 rank-32 updates of a 4-row forward of SmolLM2-135M: 10.6 ms in bf16, 4.3 ms in fp32), and they
-    only ever touch mask rows, whose predictions are drafts."""
+    The update is computed in fp32 whatever the base's dtype (`mask_update` on the CPU; elsewhere ATen products):
+    it only ever touches mask rows, whose predictions are drafts."""
 
     def __init__(self, base: nn.Linear, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float,
                  mask_rows: MaskRows):
@@ -51,6 +74,10 @@ class MaskGatedLoRA(nn.Module):
         self.base_layer = base
         self.register_buffer("lora_a", lora_a.t().contiguous().float(), persistent=False)  # [in, r]
         self.register_buffer("lora_b", (lora_b.float() * scaling).t().contiguous(), persistent=False)  # [r, out]
+        # `mask_update`'s inputs: bf16 copies where they hold the fp32 values exactly (an adapter saved in bf16,
+        # a power-of-two scaling), half the bytes a forward reads, the same bits (its loops widen them exactly)
+        self.register_buffer("kernel_a", exact_bf16(self.lora_a), persistent=False)
+        self.register_buffer("kernel_b", exact_bf16(self.lora_b), persistent=False)
         self.mask_rows = mask_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,6 +91,9 @@ class MaskGatedLoRA(nn.Module):
         if self.mask_rows.dense is None or (rows is not None and rows.numel() == 0):
             return out
         flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
+        if self.mask_rows.kernel and rows is not None and mask_update(flat_x, rows, self.kernel_a, self.kernel_b,
+                                                                      flat_out):
+            return out
         if self.mask_rows.gated:  # every row times the 0/1 gate (a clean row gets + 0: its base output exactly)
             low = torch.mm(flat_x.to(self.lora_a.dtype), self.lora_a).mul_(self.mask_rows.dense.reshape(-1, 1))
             if flat_out.dtype == low.dtype:

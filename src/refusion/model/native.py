@@ -140,7 +140,7 @@ class NativeLayers:
         real, batch, width = ((None, hidden.shape[0], hidden.shape[1]) if ragged is None
                               else (ragged.real, ragged.batch, ragged.width))
         return self.stack.forward(hidden, cos, sin, masks, keys, values, start, active,
-                                  active and rows.gated, dense, listed, real, batch, width)
+                                  active and rows.gated, active and rows.kernel, dense, listed, real, batch, width)
 
     def _build(self):
         """The C++ stack of the layers as their modules stand now (packed and fused weights brought up to date)."""
@@ -173,7 +173,8 @@ class NativeLayers:
 
     def _updates(self, wrapped: list[tuple[int, MaskGatedLoRA]]) -> list:
         """The mask-gated updates of (position in the product's output, member) pairs."""
-        return [self.extension.Update(i, self._watch(m._buffers, "lora_a"), self._watch(m._buffers, "lora_b"))
+        return [self.extension.Update(i, *(self._watch(m._buffers, name) for name in
+                                           ("lora_a", "lora_b", "kernel_a", "kernel_b")))
                 for i, m in wrapped]
 
     def _base(self, member: nn.Module) -> nn.Module:

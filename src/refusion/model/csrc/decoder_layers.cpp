@@ -38,6 +38,8 @@ struct Update {
   int64_t part;  // which member of the product's output
   Tensor a;      // [in, r] fp32
   Tensor b;      // [r, out] fp32, scaled
+  Tensor kernel_a;  // a, or a bf16 copy where that holds a exactly (mask_update's input: the same bits, fewer bytes)
+  Tensor kernel_b;  // b, likewise
 };
 
 // One kernel call over the members' stacked weights (model/fused.py FusedProduct), or a lone linear layer.
@@ -84,6 +86,7 @@ struct Layer {
 struct MaskRows {
   bool active;  // a mask row is in the forward: the updates apply
   bool gated;   // every row times the 0/1 gate, else the listed rows only
+  bool kernel;  // the updates by mask_update (gated_lora.MaskRows.kernel), else ATen's products
   c10::optional<Tensor> dense;
   c10::optional<Tensor> rows;
 };
@@ -289,6 +292,147 @@ void add_rounded(const Tensor& flat_out, const Tensor& product, const c10::optio
   }
 }
 
+// ------------------------------------------------------------------------------------------------ mask updates
+// A mask-gated adapter's update at the mask rows, as refusion defines it on the CPU (gated_lora.mask_update, which
+// calls `mask_update` below from Python too, so that every path computes the same bits): for each listed row,
+// low = x @ a then v = low @ b, each element a sum in index order of fp32 products (no FMA, -ffp-contract=off),
+// then out += v rounded to out's dtype (bf16: the sum in fp32, rounded). A row's result depends on that row
+// alone. Two ATen products per member cost a forward with masks ~4.5 ms of dispatch on refusion-smol (420 tiny
+// products); these loops take ~0.3 ms at one mask row.
+
+REFUSION_CLONES void bf16_widen(const bf16_bits* x, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16_float(x[i]);
+}
+
+
+inline float widen_weight(float w) { return w; }
+inline float widen_weight(bf16_bits w) { return bf16_float(w); }
+
+// low[i][j] = ((s0 + s1) + (s2 + s3)), s_q the sum in order of x[i][k] * a[k][j] over the k = q (mod 4) (the k
+// past the last multiple of 4 in s0), for n rows of x and the L columns j0.. of a (fp32, or bf16 widened: exact);
+// four sums so that the products of one column do not wait for each other. Each column's order is fixed: the same
+// bits whatever L and from every target clone. Inlined into the clones below.
+template <int64_t kLanes, typename W>
+__attribute__((always_inline)) inline void lora_down_rows(const float* __restrict__ x, int64_t n, int64_t in,
+                                                          const W* __restrict__ a, int64_t rank, int64_t j0,
+                                                          float* __restrict__ low) {
+  const int64_t whole = in - in % 4;
+  for (int64_t i = 0; i < n; ++i) {
+    const float* xi = x + i * in;
+    float s0[kLanes] = {}, s1[kLanes] = {}, s2[kLanes] = {}, s3[kLanes] = {};
+    for (int64_t k = 0; k < whole; k += 4) {
+      const W* ak = a + k * rank + j0;
+      for (int64_t l = 0; l < kLanes; ++l) {
+        s0[l] += xi[k] * widen_weight(ak[l]);
+        s1[l] += xi[k + 1] * widen_weight(ak[rank + l]);
+        s2[l] += xi[k + 2] * widen_weight(ak[2 * rank + l]);
+        s3[l] += xi[k + 3] * widen_weight(ak[3 * rank + l]);
+      }
+    }
+    for (int64_t k = whole; k < in; ++k) {
+      for (int64_t l = 0; l < kLanes; ++l) s0[l] += xi[k] * widen_weight(a[k * rank + j0 + l]);
+    }
+    for (int64_t l = 0; l < kLanes; ++l) low[i * rank + j0 + l] = (s0[l] + s1[l]) + (s2[l] + s3[l]);
+  }
+}
+
+// v[i][c] = sum in order over j of low[i][j] * b[j][c], for n rows (b: [rank, cols], fp32 or bf16)
+template <typename W>
+__attribute__((always_inline)) inline void lora_up_rows(const float* __restrict__ low, int64_t n, int64_t rank,
+                                                        const W* __restrict__ b, int64_t cols,
+                                                        float* __restrict__ v) {
+  for (int64_t e = 0; e < n * cols; ++e) v[e] = 0.f;
+  for (int64_t j = 0; j < rank; ++j) {
+    const W* bj = b + j * cols;
+    for (int64_t i = 0; i < n; ++i) {
+      const float l = low[i * rank + j];
+      float* vi = v + i * cols;
+      for (int64_t c = 0; c < cols; ++c) vi[c] += l * widen_weight(bj[c]);
+    }
+  }
+}
+
+// lora_down_rows over every column of a, by blocks of 16 columns (one AVX-512 register) where the rank allows
+template <typename W>
+__attribute__((always_inline)) inline void lora_down_all(const float* x, int64_t n, int64_t in, const W* a,
+                                                         int64_t rank, float* low) {
+  for (int64_t j0 = 0; j0 < rank;) {
+    if (rank - j0 >= 16) {
+      lora_down_rows<16>(x, n, in, a, rank, j0, low), j0 += 16;
+    } else if (rank - j0 >= 4) {
+      lora_down_rows<4>(x, n, in, a, rank, j0, low), j0 += 4;
+    } else {
+      lora_down_rows<1>(x, n, in, a, rank, j0, low), j0 += 1;
+    }
+  }
+}
+
+REFUSION_CLONES void lora_down_f32(const float* x, int64_t n, int64_t in, const float* a, int64_t rank, float* low) {
+  lora_down_all(x, n, in, a, rank, low);
+}
+
+REFUSION_CLONES void lora_down_bf16(const float* x, int64_t n, int64_t in, const bf16_bits* a, int64_t rank,
+                                    float* low) {
+  lora_down_all(x, n, in, a, rank, low);
+}
+
+REFUSION_CLONES void lora_up_f32(const float* low, int64_t n, int64_t rank, const float* b, int64_t cols, float* v) {
+  lora_up_rows(low, n, rank, b, cols, v);
+}
+
+REFUSION_CLONES void lora_up_bf16(const float* low, int64_t n, int64_t rank, const bf16_bits* b, int64_t cols,
+                                  float* v) {
+  lora_up_rows(low, n, rank, b, cols, v);
+}
+
+REFUSION_CLONES void float_add(float* out, const float* v, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] += v[i];
+}
+
+bool mask_update_takes(const Tensor& x, const Tensor& a, const Tensor& b, const Tensor& out) {
+  return x.device().is_cpu() && x.dim() == 2 && out.dim() == 2 && fusable(x) && fusable(out) &&
+         x.stride(1) == 1 && out.stride(1) == 1 && fusable(a) && fusable(b) &&
+         a.is_contiguous() && b.is_contiguous() && a.size(0) == x.size(1) && b.size(0) == a.size(1) &&
+         b.size(1) == out.size(1) && x.size(0) == out.size(0);
+}
+
+// out[rows] += (x[rows] @ a) @ b as described above; x [N, in] and out [N, cols] with contiguous columns (out may
+// be a member's columns of a larger product), rows int64. Returns false (nothing done) for inputs it does not take.
+bool mask_update(const Tensor& x, const Tensor& rows, const Tensor& a, const Tensor& b, const Tensor& out) {
+  if (!mask_update_takes(x, a, b, out) || rows.scalar_type() != at::kLong || !rows.is_contiguous()) return false;
+  const int64_t in = a.size(0), rank = a.size(1), cols = b.size(1), n = rows.numel();
+  const int64_t* index = rows.const_data_ptr<int64_t>();
+  std::vector<float> rows_x(n * in), low(n * rank), v(n * cols);
+  for (int64_t i = 0; i < n; ++i) {  // the listed rows of x, widened to fp32 (exact)
+    const int64_t r = index[i];
+    TORCH_CHECK(r >= 0 && r < x.size(0), "mask_update: row ", r, " out of range");
+    if (x.scalar_type() == at::kBFloat16) {
+      bf16_widen(bits(x.const_data_ptr<c10::BFloat16>() + r * x.stride(0)), rows_x.data() + i * in, in);
+    } else {
+      std::memcpy(rows_x.data() + i * in, x.const_data_ptr<float>() + r * x.stride(0), in * sizeof(float));
+    }
+  }
+  if (a.scalar_type() == at::kFloat) {
+    lora_down_f32(rows_x.data(), n, in, a.const_data_ptr<float>(), rank, low.data());
+  } else {
+    lora_down_bf16(rows_x.data(), n, in, bits(a.const_data_ptr<c10::BFloat16>()), rank, low.data());
+  }
+  if (b.scalar_type() == at::kFloat) {
+    lora_up_f32(low.data(), n, rank, b.const_data_ptr<float>(), cols, v.data());
+  } else {
+    lora_up_bf16(low.data(), n, rank, bits(b.const_data_ptr<c10::BFloat16>()), cols, v.data());
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (out.scalar_type() == at::kBFloat16) {
+      bf16_add_rounded(bits(out.mutable_data_ptr<c10::BFloat16>() + index[i] * out.stride(0)), v.data() + i * cols,
+                       cols);
+    } else {
+      float_add(out.mutable_data_ptr<float>() + index[i] * out.stride(0), v.data() + i * cols, cols);
+    }
+  }
+  return true;
+}
+
 // MaskGatedLoRA.add_update; `low_x`: the rows it multiplies (every row, or the mask rows), in A's dtype, shared
 // by the members of one product
 void add_update(const Update& u, const Tensor& low_x, const Tensor& out, const MaskRows& m) {
@@ -346,7 +490,12 @@ std::vector<Tensor> product(const Product& p, const Tensor& x, const MaskRows& m
   std::vector<Tensor> parts = p.splits.size() == 1 ? std::vector<Tensor>{out} : out.split_with_sizes(p.splits, -1);
   if (m.active) {
     Tensor low_x;  // converted once for the members that share x
+    Tensor flat_x = x.reshape({-1, x.size(-1)});
     for (const Update& u : p.updates) {
+      if (m.kernel && m.rows && mask_update(flat_x, *m.rows, u.kernel_a, u.kernel_b,
+                                parts[u.part].view({-1, parts[u.part].size(-1)}))) {
+        continue;  // gated_lora.MaskGatedLoRA.add_update takes the same path for the same inputs
+      }
       if (!low_x.defined() || low_x.scalar_type() != u.a.scalar_type()) low_x = update_rows(x, m, u.a.scalar_type());
       add_update(u, low_x, parts[u.part], m);
     }
@@ -857,13 +1006,14 @@ class Stack {
   // cache storage, the forward's entries written at columns [start, start + T)
   Tensor forward(Tensor hidden, const Tensor& cos, const Tensor& sin, const std::vector<c10::optional<Tensor>>& masks,
                  std::vector<Tensor> keys, std::vector<Tensor> values, int64_t start, bool mask_active,
-                 bool mask_gated, c10::optional<Tensor> mask_dense, c10::optional<Tensor> mask_rows,
+                 bool mask_gated, bool mask_kernel, c10::optional<Tensor> mask_dense,
+                 c10::optional<Tensor> mask_rows,
                  c10::optional<Tensor> real, int64_t batch, int64_t width) const {
     TORCH_CHECK(masks.size() == layers_.size() && keys.size() == layers_.size() && values.size() == layers_.size(),
                 "one mask, key and value storage per layer");
     TORCH_CHECK(real ? real->numel() == hidden.size(1) : hidden.size(0) == batch && hidden.size(1) == width,
                 "hidden holds the forward's rows: all of them, or the real ones listed");
-    MaskRows m{mask_active, mask_gated, mask_dense, mask_rows};
+    MaskRows m{mask_active, mask_gated, mask_kernel, mask_dense, mask_rows};
     Layout l{real, batch, width};
     if (layers_.empty()) return hidden;
     Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
@@ -897,7 +1047,8 @@ class Stack {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  py::class_<Update>(m, "Update").def(py::init<int64_t, Tensor, Tensor>());
+  py::class_<Update>(m, "Update").def(py::init<int64_t, Tensor, Tensor, Tensor, Tensor>());
+  m.def("mask_update", &mask_update, "out[rows] += (x[rows] @ a) @ b, a mask-gated adapter's update (see above)");
   py::class_<Product>(m, "Product")
       .def(py::init<int64_t, Tensor, Tensor, c10::optional<Tensor>, int64_t, int64_t, int64_t, std::vector<int64_t>,
                     std::vector<Update>, Tensor, Tensor, std::vector<int64_t>>());
