@@ -336,18 +336,29 @@ __attribute__((always_inline)) inline void lora_down_rows(const float* __restric
   }
 }
 
-// v[i][c] = sum in order over j of low[i][j] * b[j][c], for n rows (b: [rank, cols], fp32 or bf16)
+// v[i][c] = sum in order over j of low[i][j] * b[j][c], for n rows (b: [rank, cols], fp32 or bf16); by blocks of
+// 16 columns whose sums stay in registers (the columns past the last block one at a time, in the same order)
 template <typename W>
 __attribute__((always_inline)) inline void lora_up_rows(const float* __restrict__ low, int64_t n, int64_t rank,
                                                         const W* __restrict__ b, int64_t cols,
                                                         float* __restrict__ v) {
-  for (int64_t e = 0; e < n * cols; ++e) v[e] = 0.f;
-  for (int64_t j = 0; j < rank; ++j) {
-    const W* bj = b + j * cols;
-    for (int64_t i = 0; i < n; ++i) {
-      const float l = low[i * rank + j];
-      float* vi = v + i * cols;
-      for (int64_t c = 0; c < cols; ++c) vi[c] += l * widen_weight(bj[c]);
+  constexpr int64_t kBlock = 16;
+  const int64_t whole = cols - cols % kBlock;
+  for (int64_t i = 0; i < n; ++i) {
+    const float* li = low + i * rank;
+    float* vi = v + i * cols;
+    for (int64_t c0 = 0; c0 < whole; c0 += kBlock) {
+      float acc[kBlock] = {};
+      for (int64_t j = 0; j < rank; ++j) {
+        const W* bj = b + j * cols + c0;
+        for (int64_t l = 0; l < kBlock; ++l) acc[l] += li[j] * widen_weight(bj[l]);
+      }
+      for (int64_t l = 0; l < kBlock; ++l) vi[c0 + l] = acc[l];
+    }
+    for (int64_t c = whole; c < cols; ++c) {
+      float sum = 0.f;
+      for (int64_t j = 0; j < rank; ++j) sum += li[j] * widen_weight(b[j * cols + c]);
+      vi[c] = sum;
     }
   }
 }
@@ -402,34 +413,40 @@ bool mask_update(const Tensor& x, const Tensor& rows, const Tensor& a, const Ten
   if (!mask_update_takes(x, a, b, out) || rows.scalar_type() != at::kLong || !rows.is_contiguous()) return false;
   const int64_t in = a.size(0), rank = a.size(1), cols = b.size(1), n = rows.numel();
   const int64_t* index = rows.const_data_ptr<int64_t>();
-  std::vector<float> rows_x(n * in), low(n * rank), v(n * cols);
-  for (int64_t i = 0; i < n; ++i) {  // the listed rows of x, widened to fp32 (exact)
-    const int64_t r = index[i];
-    TORCH_CHECK(r >= 0 && r < x.size(0), "mask_update: row ", r, " out of range");
-    if (x.scalar_type() == at::kBFloat16) {
-      bf16_widen(bits(x.const_data_ptr<c10::BFloat16>() + r * x.stride(0)), rows_x.data() + i * in, in);
-    } else {
-      std::memcpy(rows_x.data() + i * in, x.const_data_ptr<float>() + r * x.stride(0), in * sizeof(float));
-    }
-  }
-  if (a.scalar_type() == at::kFloat) {
-    lora_down_f32(rows_x.data(), n, in, a.const_data_ptr<float>(), rank, low.data());
-  } else {
-    lora_down_bf16(rows_x.data(), n, in, bits(a.const_data_ptr<c10::BFloat16>()), rank, low.data());
-  }
-  if (b.scalar_type() == at::kFloat) {
-    lora_up_f32(low.data(), n, rank, b.const_data_ptr<float>(), cols, v.data());
-  } else {
-    lora_up_bf16(low.data(), n, rank, bits(b.const_data_ptr<c10::BFloat16>()), cols, v.data());
-  }
   for (int64_t i = 0; i < n; ++i) {
-    if (out.scalar_type() == at::kBFloat16) {
-      bf16_add_rounded(bits(out.mutable_data_ptr<c10::BFloat16>() + index[i] * out.stride(0)), v.data() + i * cols,
-                       cols);
-    } else {
-      float_add(out.mutable_data_ptr<float>() + index[i] * out.stride(0), v.data() + i * cols, cols);
-    }
+    TORCH_CHECK(index[i] >= 0 && index[i] < x.size(0), "mask_update: row ", index[i], " out of range");
   }
+  // more than 4 rows (a plan's masks) apart on the threads; a row's sums are the same on any thread
+  at::parallel_for(0, n, 4, [&](int64_t begin, int64_t end) {
+    const int64_t m = end - begin;
+    std::vector<float> rows_x(m * in), low(m * rank), v(m * cols);
+    for (int64_t i = 0; i < m; ++i) {  // the listed rows of x, widened to fp32 (exact)
+      const int64_t r = index[begin + i];
+      if (x.scalar_type() == at::kBFloat16) {
+        bf16_widen(bits(x.const_data_ptr<c10::BFloat16>() + r * x.stride(0)), rows_x.data() + i * in, in);
+      } else {
+        std::memcpy(rows_x.data() + i * in, x.const_data_ptr<float>() + r * x.stride(0), in * sizeof(float));
+      }
+    }
+    if (a.scalar_type() == at::kFloat) {
+      lora_down_f32(rows_x.data(), m, in, a.const_data_ptr<float>(), rank, low.data());
+    } else {
+      lora_down_bf16(rows_x.data(), m, in, bits(a.const_data_ptr<c10::BFloat16>()), rank, low.data());
+    }
+    if (b.scalar_type() == at::kFloat) {
+      lora_up_f32(low.data(), m, rank, b.const_data_ptr<float>(), cols, v.data());
+    } else {
+      lora_up_bf16(low.data(), m, rank, bits(b.const_data_ptr<c10::BFloat16>()), cols, v.data());
+    }
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t r = index[begin + i];
+      if (out.scalar_type() == at::kBFloat16) {
+        bf16_add_rounded(bits(out.mutable_data_ptr<c10::BFloat16>() + r * out.stride(0)), v.data() + i * cols, cols);
+      } else {
+        float_add(out.mutable_data_ptr<float>() + r * out.stride(0), v.data() + i * cols, cols);
+      }
+    }
+  });
   return true;
 }
 
