@@ -41,12 +41,6 @@ class MaskRows:
         return self.dense is not None and (self.rows is None or self.dense.numel() <= MAX_ROWS)
 
 
-def exact_bf16(t: torch.Tensor) -> torch.Tensor:
-    """`t` in bf16 where that holds every value exactly, else `t` itself."""
-    low = t.to(torch.bfloat16)
-    return low if torch.equal(low.float(), t) else t
-
-
 def mask_update(x: torch.Tensor, rows: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                 out: torch.Tensor) -> bool:
     """`out[rows] += (x[rows] @ lora_a) @ lora_b` by the native extension's loops (model/csrc, *mask updates*), on
@@ -74,10 +68,6 @@ class MaskGatedLoRA(nn.Module):
         self.base_layer = base
         self.register_buffer("lora_a", lora_a.t().contiguous().float(), persistent=False)  # [in, r]
         self.register_buffer("lora_b", (lora_b.float() * scaling).t().contiguous(), persistent=False)  # [r, out]
-        # `mask_update`'s inputs: bf16 copies where they hold the fp32 values exactly (an adapter saved in bf16,
-        # a power-of-two scaling), half the bytes a forward reads, the same bits (its loops widen them exactly)
-        self.register_buffer("kernel_a", exact_bf16(self.lora_a), persistent=False)
-        self.register_buffer("kernel_b", exact_bf16(self.lora_b), persistent=False)
         self.mask_rows = mask_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,8 +81,7 @@ class MaskGatedLoRA(nn.Module):
         if self.mask_rows.dense is None or (rows is not None and rows.numel() == 0):
             return out
         flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
-        if self.mask_rows.kernel and rows is not None and mask_update(flat_x, rows, self.kernel_a, self.kernel_b,
-                                                                      flat_out):
+        if self.mask_rows.kernel and rows is not None and mask_update(flat_x, rows, self.lora_a, self.lora_b, flat_out):
             return out
         if self.mask_rows.gated:  # every row times the 0/1 gate (a clean row gets + 0: its base output exactly)
             low = torch.mm(flat_x.to(self.lora_a.dtype), self.lora_a).mul_(self.mask_rows.dense.reshape(-1, 1))

@@ -173,8 +173,7 @@ class NativeLayers:
 
     def _updates(self, wrapped: list[tuple[int, MaskGatedLoRA]]) -> list:
         """The mask-gated updates of (position in the product's output, member) pairs."""
-        return [self.extension.Update(i, *(self._watch(m._buffers, name) for name in
-                                           ("lora_a", "lora_b", "kernel_a", "kernel_b")))
+        return [self.extension.Update(i, self._watch(m._buffers, "lora_a"), self._watch(m._buffers, "lora_b"))
                 for i, m in wrapped]
 
     def _base(self, member: nn.Module) -> nn.Module:

@@ -38,8 +38,6 @@ struct Update {
   int64_t part;  // which member of the product's output
   Tensor a;      // [in, r] fp32
   Tensor b;      // [r, out] fp32, scaled
-  Tensor kernel_a;  // a, or a bf16 copy where that holds a exactly (mask_update's input: the same bits, fewer bytes)
-  Tensor kernel_b;  // b, likewise
 };
 
 // One kernel call over the members' stacked weights (model/fused.py FusedProduct), or a lone linear layer.
@@ -295,53 +293,60 @@ void add_rounded(const Tensor& flat_out, const Tensor& product, const c10::optio
 // ------------------------------------------------------------------------------------------------ mask updates
 // A mask-gated adapter's update at the mask rows, as refusion defines it on the CPU (gated_lora.mask_update, which
 // calls `mask_update` below from Python too, so that every path computes the same bits): for each listed row,
-// low = x @ a then v = low @ b, each element a sum in index order of fp32 products (no FMA, -ffp-contract=off),
-// then out += v rounded to out's dtype (bf16: the sum in fp32, rounded). A row's result depends on that row
-// alone. Two ATen products per member cost a forward with masks ~4.5 ms of dispatch on refusion-smol (420 tiny
-// products); these loops take ~0.3 ms at one mask row.
+// low = x @ a then v = low @ b in fp32 without FMA contraction, in a fixed order of summation (below), then
+// out += v rounded to out's dtype (bf16: the sum in fp32, rounded). A row's result depends on that row alone.
+// Two ATen products per adapted layer, with their conversions, gate and add, cost a forward with masks ~4.5 ms
+// of dispatch on refusion-smol (420 tiny products, docs/DECODING.md "Mask-gated updates").
 
 REFUSION_CLONES void bf16_widen(const bf16_bits* x, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = bf16_float(x[i]);
 }
 
-
-inline float widen_weight(float w) { return w; }
-inline float widen_weight(bf16_bits w) { return bf16_float(w); }
-
 // low[i][j] = ((s0 + s1) + (s2 + s3)), s_q the sum in order of x[i][k] * a[k][j] over the k = q (mod 4) (the k
-// past the last multiple of 4 in s0), for n rows of x and the L columns j0.. of a (fp32, or bf16 widened: exact);
-// four sums so that the products of one column do not wait for each other. Each column's order is fixed: the same
-// bits whatever L and from every target clone. Inlined into the clones below.
-template <int64_t kLanes, typename W>
-__attribute__((always_inline)) inline void lora_down_rows(const float* __restrict__ x, int64_t n, int64_t in,
-                                                          const W* __restrict__ a, int64_t rank, int64_t j0,
-                                                          float* __restrict__ low) {
+// past the last multiple of 4 in s0), for n rows of x and the L columns j0.. of a; four sums so that the products
+// of one column do not wait for each other. Each column's order is fixed: the same bits whatever L and from every
+// target clone. Inlined into lora_down below.
+template <int64_t L>
+__attribute__((always_inline)) inline void lora_down_columns(const float* __restrict__ x, int64_t n, int64_t in,
+                                                             const float* __restrict__ a, int64_t rank, int64_t j0,
+                                                             float* __restrict__ low) {
   const int64_t whole = in - in % 4;
   for (int64_t i = 0; i < n; ++i) {
     const float* xi = x + i * in;
-    float s0[kLanes] = {}, s1[kLanes] = {}, s2[kLanes] = {}, s3[kLanes] = {};
+    float s0[L] = {}, s1[L] = {}, s2[L] = {}, s3[L] = {};
     for (int64_t k = 0; k < whole; k += 4) {
-      const W* ak = a + k * rank + j0;
-      for (int64_t l = 0; l < kLanes; ++l) {
-        s0[l] += xi[k] * widen_weight(ak[l]);
-        s1[l] += xi[k + 1] * widen_weight(ak[rank + l]);
-        s2[l] += xi[k + 2] * widen_weight(ak[2 * rank + l]);
-        s3[l] += xi[k + 3] * widen_weight(ak[3 * rank + l]);
+      const float* ak = a + k * rank + j0;
+      for (int64_t l = 0; l < L; ++l) {
+        s0[l] += xi[k] * ak[l];
+        s1[l] += xi[k + 1] * ak[rank + l];
+        s2[l] += xi[k + 2] * ak[2 * rank + l];
+        s3[l] += xi[k + 3] * ak[3 * rank + l];
       }
     }
     for (int64_t k = whole; k < in; ++k) {
-      for (int64_t l = 0; l < kLanes; ++l) s0[l] += xi[k] * widen_weight(a[k * rank + j0 + l]);
+      for (int64_t l = 0; l < L; ++l) s0[l] += xi[k] * a[k * rank + j0 + l];
     }
-    for (int64_t l = 0; l < kLanes; ++l) low[i * rank + j0 + l] = (s0[l] + s1[l]) + (s2[l] + s3[l]);
+    for (int64_t l = 0; l < L; ++l) low[i * rank + j0 + l] = (s0[l] + s1[l]) + (s2[l] + s3[l]);
   }
 }
 
-// v[i][c] = sum in order over j of low[i][j] * b[j][c], for n rows (b: [rank, cols], fp32 or bf16); by blocks of
-// 16 columns whose sums stay in registers (the columns past the last block one at a time, in the same order)
-template <typename W>
-__attribute__((always_inline)) inline void lora_up_rows(const float* __restrict__ low, int64_t n, int64_t rank,
-                                                        const W* __restrict__ b, int64_t cols,
-                                                        float* __restrict__ v) {
+// lora_down_columns over every column of a [in, rank], by blocks of 16 (one AVX-512 register) while they last
+REFUSION_CLONES void lora_down(const float* x, int64_t n, int64_t in, const float* a, int64_t rank, float* low) {
+  for (int64_t j0 = 0; j0 < rank;) {
+    if (rank - j0 >= 16) {
+      lora_down_columns<16>(x, n, in, a, rank, j0, low), j0 += 16;
+    } else if (rank - j0 >= 4) {
+      lora_down_columns<4>(x, n, in, a, rank, j0, low), j0 += 4;
+    } else {
+      lora_down_columns<1>(x, n, in, a, rank, j0, low), j0 += 1;
+    }
+  }
+}
+
+// v[i][c] = sum in order over j of low[i][j] * b[j][c], for n rows (b: [rank, cols]); by blocks of 16 columns whose
+// sums stay in registers (the columns past the last block one at a time, in the same order)
+REFUSION_CLONES void lora_up(const float* __restrict__ low, int64_t n, int64_t rank, const float* __restrict__ b,
+                             int64_t cols, float* __restrict__ v) {
   constexpr int64_t kBlock = 16;
   const int64_t whole = cols - cols % kBlock;
   for (int64_t i = 0; i < n; ++i) {
@@ -350,50 +355,17 @@ __attribute__((always_inline)) inline void lora_up_rows(const float* __restrict_
     for (int64_t c0 = 0; c0 < whole; c0 += kBlock) {
       float acc[kBlock] = {};
       for (int64_t j = 0; j < rank; ++j) {
-        const W* bj = b + j * cols + c0;
-        for (int64_t l = 0; l < kBlock; ++l) acc[l] += li[j] * widen_weight(bj[l]);
+        const float* bj = b + j * cols + c0;
+        for (int64_t l = 0; l < kBlock; ++l) acc[l] += li[j] * bj[l];
       }
       for (int64_t l = 0; l < kBlock; ++l) vi[c0 + l] = acc[l];
     }
     for (int64_t c = whole; c < cols; ++c) {
       float sum = 0.f;
-      for (int64_t j = 0; j < rank; ++j) sum += li[j] * widen_weight(b[j * cols + c]);
+      for (int64_t j = 0; j < rank; ++j) sum += li[j] * b[j * cols + c];
       vi[c] = sum;
     }
   }
-}
-
-// lora_down_rows over every column of a, by blocks of 16 columns (one AVX-512 register) where the rank allows
-template <typename W>
-__attribute__((always_inline)) inline void lora_down_all(const float* x, int64_t n, int64_t in, const W* a,
-                                                         int64_t rank, float* low) {
-  for (int64_t j0 = 0; j0 < rank;) {
-    if (rank - j0 >= 16) {
-      lora_down_rows<16>(x, n, in, a, rank, j0, low), j0 += 16;
-    } else if (rank - j0 >= 4) {
-      lora_down_rows<4>(x, n, in, a, rank, j0, low), j0 += 4;
-    } else {
-      lora_down_rows<1>(x, n, in, a, rank, j0, low), j0 += 1;
-    }
-  }
-}
-
-REFUSION_CLONES void lora_down_f32(const float* x, int64_t n, int64_t in, const float* a, int64_t rank, float* low) {
-  lora_down_all(x, n, in, a, rank, low);
-}
-
-REFUSION_CLONES void lora_down_bf16(const float* x, int64_t n, int64_t in, const bf16_bits* a, int64_t rank,
-                                    float* low) {
-  lora_down_all(x, n, in, a, rank, low);
-}
-
-REFUSION_CLONES void lora_up_f32(const float* low, int64_t n, int64_t rank, const float* b, int64_t cols, float* v) {
-  lora_up_rows(low, n, rank, b, cols, v);
-}
-
-REFUSION_CLONES void lora_up_bf16(const float* low, int64_t n, int64_t rank, const bf16_bits* b, int64_t cols,
-                                  float* v) {
-  lora_up_rows(low, n, rank, b, cols, v);
 }
 
 REFUSION_CLONES void float_add(float* out, const float* v, int64_t n) {
@@ -402,13 +374,14 @@ REFUSION_CLONES void float_add(float* out, const float* v, int64_t n) {
 
 bool mask_update_takes(const Tensor& x, const Tensor& a, const Tensor& b, const Tensor& out) {
   return x.device().is_cpu() && x.dim() == 2 && out.dim() == 2 && fusable(x) && fusable(out) &&
-         x.stride(1) == 1 && out.stride(1) == 1 && fusable(a) && fusable(b) &&
+         x.stride(1) == 1 && out.stride(1) == 1 && a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat &&
          a.is_contiguous() && b.is_contiguous() && a.size(0) == x.size(1) && b.size(0) == a.size(1) &&
          b.size(1) == out.size(1) && x.size(0) == out.size(0);
 }
 
 // out[rows] += (x[rows] @ a) @ b as described above; x [N, in] and out [N, cols] with contiguous columns (out may
-// be a member's columns of a larger product), rows int64. Returns false (nothing done) for inputs it does not take.
+// be a member's columns of a larger product), a [in, rank] and b [rank, cols] fp32, rows int64. Returns false
+// (nothing done) for inputs it does not take.
 bool mask_update(const Tensor& x, const Tensor& rows, const Tensor& a, const Tensor& b, const Tensor& out) {
   if (!mask_update_takes(x, a, b, out) || rows.scalar_type() != at::kLong || !rows.is_contiguous()) return false;
   const int64_t in = a.size(0), rank = a.size(1), cols = b.size(1), n = rows.numel();
@@ -428,16 +401,8 @@ bool mask_update(const Tensor& x, const Tensor& rows, const Tensor& a, const Ten
         std::memcpy(rows_x.data() + i * in, x.const_data_ptr<float>() + r * x.stride(0), in * sizeof(float));
       }
     }
-    if (a.scalar_type() == at::kFloat) {
-      lora_down_f32(rows_x.data(), m, in, a.const_data_ptr<float>(), rank, low.data());
-    } else {
-      lora_down_bf16(rows_x.data(), m, in, bits(a.const_data_ptr<c10::BFloat16>()), rank, low.data());
-    }
-    if (b.scalar_type() == at::kFloat) {
-      lora_up_f32(low.data(), m, rank, b.const_data_ptr<float>(), cols, v.data());
-    } else {
-      lora_up_bf16(low.data(), m, rank, bits(b.const_data_ptr<c10::BFloat16>()), cols, v.data());
-    }
+    lora_down(rows_x.data(), m, in, a.const_data_ptr<float>(), rank, low.data());
+    lora_up(low.data(), m, rank, b.const_data_ptr<float>(), cols, v.data());
     for (int64_t i = 0; i < m; ++i) {
       const int64_t r = index[begin + i];
       if (out.scalar_type() == at::kBFloat16) {
@@ -509,8 +474,7 @@ std::vector<Tensor> product(const Product& p, const Tensor& x, const MaskRows& m
     Tensor low_x;  // converted once for the members that share x
     Tensor flat_x = x.reshape({-1, x.size(-1)});
     for (const Update& u : p.updates) {
-      if (m.kernel && m.rows && mask_update(flat_x, *m.rows, u.kernel_a, u.kernel_b,
-                                parts[u.part].view({-1, parts[u.part].size(-1)}))) {
+      if (m.kernel && m.rows && mask_update(flat_x, *m.rows, u.a, u.b, parts[u.part].view({-1, parts[u.part].size(-1)}))) {
         continue;  // gated_lora.MaskGatedLoRA.add_update takes the same path for the same inputs
       }
       if (!low_x.defined() || low_x.scalar_type() != u.a.scalar_type()) low_x = update_rows(x, m, u.a.scalar_type());
@@ -1064,7 +1028,7 @@ class Stack {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  py::class_<Update>(m, "Update").def(py::init<int64_t, Tensor, Tensor, Tensor, Tensor>());
+  py::class_<Update>(m, "Update").def(py::init<int64_t, Tensor, Tensor>());
   m.def("mask_update", &mask_update, "out[rows] += (x[rows] @ a) @ b, a mask-gated adapter's update (see above)");
   py::class_<Product>(m, "Product")
       .def(py::init<int64_t, Tensor, Tensor, c10::optional<Tensor>, int64_t, int64_t, int64_t, std::vector<int64_t>,
