@@ -46,8 +46,8 @@ def mask_update(x: torch.Tensor, rows: torch.Tensor, lora_a: torch.Tensor, lora_
     """`out[rows] += (x[rows] @ lora_a) @ lora_b` by the native extension's loops (model/csrc, *mask updates*), on
     the CPU outside autograd; False (nothing done) where they do not take these inputs, or the extension is off.
     The C++ layers call the same loops for the same inputs, so every path gives a mask row the same bits; a row's
-    result depends on that row alone. Two ATen products per member would cost each forward with masks ~4.5 ms of
-    dispatch on refusion-smol (420 tiny products), these loops ~0.3 ms at one mask row."""
+    result depends on that row alone. Why (two ATen products per adapted layer are mostly dispatch) and what it
+    saves: docs/DECODING.md, *Mask-gated updates*."""
     if x.device.type != "cpu" or torch.is_grad_enabled() or torch.compiler.is_compiling():
         return False
     from refusion.model.native import native_extension  # the extension imports this module

@@ -295,8 +295,8 @@ void add_rounded(const Tensor& flat_out, const Tensor& product, const c10::optio
 // calls `mask_update` below from Python too, so that every path computes the same bits): for each listed row,
 // low = x @ a then v = low @ b in fp32 without FMA contraction, in a fixed order of summation (below), then
 // out += v rounded to out's dtype (bf16: the sum in fp32, rounded). A row's result depends on that row alone.
-// Two ATen products per adapted layer, with their conversions, gate and add, cost a forward with masks ~4.5 ms
-// of dispatch on refusion-smol (420 tiny products, docs/DECODING.md "Mask-gated updates").
+// Two ATen products per adapted layer, with their conversions, gate and add, are mostly dispatch at a few mask
+// rows (docs/DECODING.md, "Mask-gated updates").
 
 REFUSION_CLONES void bf16_widen(const bf16_bits* x, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = bf16_float(x[i]);
