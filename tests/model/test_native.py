@@ -8,7 +8,7 @@ from torch import nn
 
 import refusion
 from refusion.decode.cache import PADDING, SlotCache, attention_mask_dtype
-from refusion.model import fused, gated_lora, native, row_exact
+from refusion.model import extension, fused, gated_lora, row_exact
 from refusion.model.compact import CompactForward, compact_forward
 from refusion.model.setup import setup_of
 from refusion.model.tiny import tiny_model
@@ -53,7 +53,7 @@ def assert_same(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> None:
 
 
 def test_the_extension_builds_here():
-    assert native.native_extension() is not None  # gcc, the Python headers and ninja are on every such machine
+    assert extension.native_extension() is not None  # gcc, the Python headers and ninja are on every such machine
 
 
 @pytest.mark.parametrize("attention", ATTENTIONS)
@@ -314,32 +314,32 @@ def test_loading_the_extension_again_reuses_its_build():
     """torch's loader extends the flag lists it is given: were they the module's own, a second load in the same
     process (a cleared cache, a test) would see other flags, rename the extension and compile it again (~30 s),
     and the next process would compile once more."""
-    assert native.native_extension() is not None
-    flags = (list(native.CFLAGS), list(native.OPENMP))
-    native.native_extension.cache_clear()
-    again = native.native_extension()
-    assert again is not None and again.__name__ == native.EXTENSION
-    assert flags == (native.CFLAGS, native.OPENMP)
+    assert extension.native_extension() is not None
+    flags = (list(extension.CFLAGS), list(extension.OPENMP))
+    extension.native_extension.cache_clear()
+    again = extension.native_extension()
+    assert again is not None and again.__name__ == extension.EXTENSION
+    assert flags == (extension.CFLAGS, extension.OPENMP)
 
 
 def test_refusion_native_0_skips_the_extension_and_a_failed_build_warns(monkeypatch):
     from torch.utils import cpp_extension
 
-    native.native_extension.cache_clear()
+    extension.native_extension.cache_clear()
     try:
-        monkeypatch.setenv(native.NATIVE_ENV, "0")
-        assert native.native_extension() is None
+        monkeypatch.setenv(extension.NATIVE_ENV, "0")
+        assert extension.native_extension() is None
         assert compact_forward(exact_model("llama")).native is None
-        native.native_extension.cache_clear()
-        monkeypatch.delenv(native.NATIVE_ENV)
+        extension.native_extension.cache_clear()
+        monkeypatch.delenv(extension.NATIVE_ENV)
 
         def broken(*args, **kwargs):
             raise RuntimeError("Error building extension 'refusion_native'\nmore lines")
         monkeypatch.setattr(cpp_extension, "load", broken)
         with pytest.warns(UserWarning, match="could not be built .Error building extension"):
-            assert native.native_extension() is None
+            assert extension.native_extension() is None
     finally:
-        native.native_extension.cache_clear()
+        extension.native_extension.cache_clear()
 
 
 @pytest.mark.parametrize("dtype,attention", [("bfloat16", row_exact.EXACT_ATTENTION), ("float32", "sdpa")])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from refusion.model.extension import native_extension
 from refusion.model.narrow import MAX_ROWS
 
 
@@ -50,8 +51,6 @@ def mask_update(x: torch.Tensor, rows: torch.Tensor, lora_a: torch.Tensor, lora_
     saves: docs/DECODING.md, *Mask-gated updates*."""
     if x.device.type != "cpu" or torch.is_grad_enabled() or torch.compiler.is_compiling():
         return False
-    from refusion.model.native import native_extension  # the extension imports this module
-
     extension = native_extension()
     return extension is not None and extension.mask_update(x, rows, lora_a, lora_b, out)
 

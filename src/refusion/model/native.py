@@ -22,26 +22,20 @@ weights are rebuilt when a weight is written or replaced, a layer switched to an
 layer's changed weight is refused as `Int4Linear` refuses it. The forward releases the GIL, so a server's other
 threads run meanwhile.
 
-The extension is compiled once per machine, torch version and source (~30 s with g++; `ninja` is a
-dependency) into torch's extension directory (`TORCH_EXTENSIONS_DIR`, else ~/.cache/torch_extensions) and loaded
-from there afterwards. Where it cannot be built (no compiler) decoding runs the Python loop with one warning;
-`REFUSION_NATIVE=0` skips it.
+The extension is built on first use (`model.extension`: ~30 s with g++, once per machine, torch version and
+source). Where it cannot be built (no compiler) decoding runs the Python loop with one warning; `REFUSION_NATIVE=0`
+skips it.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import os
-import sys
-import warnings
-from pathlib import Path
 
 import torch
 from torch import nn
 from transformers.activations import SiLUActivation
 
-from refusion.model.build_cache import OFF_VALUES
+from refusion.model.extension import native_extension
 from refusion.model.fused import LINEAR_NAMES, FusedProduct, base_of
 from refusion.model.gated_lora import MaskGatedLoRA
 from refusion.model.int4 import GROUP, Int4Linear
@@ -50,11 +44,6 @@ from refusion.model.narrow import NarrowLinear
 from refusion.model.row_exact import EXACT_ATTENTION, SOFTMAX_COLUMNS, PackedLinear
 from refusion.model.sgemm import SgemmLinear
 
-SOURCE = Path(__file__).parent / "csrc" / "decoder_layers.cpp"
-EXTENSION = "refusion_native"
-"""The extension's module name (and its folder under torch's extension directory)."""
-NATIVE_ENV = "REFUSION_NATIVE"
-"""Set to 0 (or off) to decode without the C++ layers (nothing is compiled)."""
 KINDS = {nn.Linear: 0, PackedLinear: 1, Int4Linear: 2, SgemmLinear: 3, NarrowLinear: 4}
 """The product kinds the C++ layers compute, by linear layer type (the constants of decoder_layers.cpp)."""
 ATTENTIONS = {EXACT_ATTENTION: 0, "sdpa": 1}
@@ -62,38 +51,6 @@ ATTENTIONS = {EXACT_ATTENTION: 0, "sdpa": 1}
 and transformers' sdpa function as it runs on a CPU."""
 SILU = (nn.SiLU, SiLUActivation)
 """The MLP activations the C++ layers compute (F.silu)."""
-OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []
-"""OpenMP for ATen's parallel loops in the extension, on Linux, where torch's own libgomp serves them (elsewhere
-they run on one thread: the same results)."""
-CFLAGS = ["-O3", "-ffp-contract=off", *OPENMP]
-"""Compiler flags: no contraction of a product and a sum into an FMA (the fused kernels round as ATen's
-operations do)."""
-
-
-@functools.cache
-def native_extension():
-    """The compiled extension module, built on first use (see the module docstring); None where it cannot be."""
-    if os.environ.get(NATIVE_ENV, "").strip().lower() in OFF_VALUES:
-        return None
-    try:
-        from torch.utils import cpp_extension
-
-        source = SOURCE.read_bytes()
-        tag = hashlib.sha256(source + " ".join(CFLAGS).encode() + torch.__version__.encode()
-                             + sys.version.encode()).hexdigest()[:16]
-        # torch's extension directory (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), one folder per source
-        directory = Path(cpp_extension._get_build_directory(EXTENSION, verbose=False)) / tag
-        directory.mkdir(parents=True, exist_ok=True)
-        if not (directory / f"{EXTENSION}.so").exists():
-            print("refusion: compiling the native decoder layers (once per machine and torch version, ~30 s)",
-                  file=sys.stderr, flush=True)
-        return cpp_extension.load(EXTENSION, [str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=list(OPENMP),
-                                  build_directory=str(directory), verbose=False)  # copies: load extends them
-    except Exception as e:  # no compiler, no ninja, a build error: the Python loop decodes the same tokens
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        warnings.warn(f"refusion: the native decoder layers could not be built ({reason}); decoding runs the "
-                      f"Python layer loop (same tokens, slower)", stacklevel=2)
-        return None
 
 
 class NativeLayers:

@@ -1,0 +1,59 @@
+"""The C++ extension of refusion (`csrc/decoder_layers.cpp`), built and loaded here for the modules that call it:
+the compact forward's decoder layers (`model.native`) and the mask-gated adapter's updates (`model.gated_lora`).
+
+It is compiled once per machine, torch version and source (~30 s with g++; `ninja` is a dependency) into torch's
+extension directory (`TORCH_EXTENSIONS_DIR`, else ~/.cache/torch_extensions) and loaded from there afterwards.
+Where it cannot be built (no compiler) its callers run their Python paths with one warning; `REFUSION_NATIVE=0`
+skips it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from refusion.model.build_cache import OFF_VALUES
+
+SOURCE = Path(__file__).parent / "csrc" / "decoder_layers.cpp"
+EXTENSION = "refusion_native"
+"""The extension's module name (and its folder under torch's extension directory)."""
+NATIVE_ENV = "REFUSION_NATIVE"
+"""Set to 0 (or off) to decode without the extension (nothing is compiled)."""
+OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []
+"""OpenMP for ATen's parallel loops in the extension, on Linux, where torch's own libgomp serves them (elsewhere
+they run on one thread: the same results)."""
+CFLAGS = ["-O3", "-ffp-contract=off", *OPENMP]
+"""Compiler flags: no contraction of a product and a sum into an FMA (the fused kernels round as ATen's
+operations do)."""
+
+
+@functools.cache
+def native_extension():
+    """The compiled extension module, built on first use (see the module docstring); None where it cannot be."""
+    if os.environ.get(NATIVE_ENV, "").strip().lower() in OFF_VALUES:
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        source = SOURCE.read_bytes()
+        tag = hashlib.sha256(source + " ".join(CFLAGS).encode() + torch.__version__.encode()
+                             + sys.version.encode()).hexdigest()[:16]
+        # torch's extension directory (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), one folder per source
+        directory = Path(cpp_extension._get_build_directory(EXTENSION, verbose=False)) / tag
+        directory.mkdir(parents=True, exist_ok=True)
+        if not (directory / f"{EXTENSION}.so").exists():
+            print("refusion: compiling the native decoder layers (once per machine and torch version, ~30 s)",
+                  file=sys.stderr, flush=True)
+        return cpp_extension.load(EXTENSION, [str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=list(OPENMP),
+                                  build_directory=str(directory), verbose=False)  # copies: load extends them
+    except Exception as e:  # no compiler, no ninja, a build error: the Python loop decodes the same tokens
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        warnings.warn(f"refusion: the native decoder layers could not be built ({reason}); decoding runs the "
+                      f"Python layer loop (same tokens, slower)", stacklevel=2)
+        return None
