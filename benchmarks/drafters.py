@@ -7,8 +7,9 @@ since a mask-gated adapter leaves both the base's; then, per adapter, the exact 
 (`draft_length` d, no copies), the same with pre-drafts (a chain of masks per possible acceptance length), copies
 and masks (masks where nothing can be copied), and plan and infill (the preset's settings); with `--aten-updates`,
 each of those also with the embedded adapter's mask updates computed by ATen's products instead of the native
-loops (`gated_lora.mask_update`), labelled `aten`. Reported per prompt group (and pooled over the groups) and mode: tokens, tokens per forward and per verify forward, tokens/s, the ratio to AR, how many outputs equal
-AR decoding's, and how repetitive the answers are (plan and infill's are its own: the mean share of distinct 4-grams
+loops (`gated_lora.mask_update`), labelled `aten`. Reported per prompt group (and pooled over the groups) and
+mode: tokens, tokens per forward and per verify forward, tokens/s, the ratio to AR, how many outputs equal AR
+decoding's, and how repetitive the answers are (plan and infill's are its own: the mean share of distinct 4-grams
 per answer, the answers under half distinct ("looping"), and those with one token 8 or more times in a row). The
 prompts are `linear_kernels.prompt_groups`: none of the tuning prompts (docs/BENCHMARKS.md, "Prompts"). Ends with
 one JSON line.
@@ -30,7 +31,7 @@ from linear_kernels import prompt_groups
 from refusion.config import DecodeConfig, IgnoredSetting
 from refusion.decode.loop import generate
 from refusion.model.embedded import default_decode_settings
-from refusion.model.gated_lora import MaskGatedLoRA
+from refusion.model.gated_lora import mask_rows_of
 from refusion.model.loading import encode_prompts, load
 
 ATEN = "aten"
@@ -98,7 +99,7 @@ def main() -> None:
     engines += [(label, name, cfg, model) for label, (model, _) in models.items() for name, cfg in chosen.items()]
     if args.aten_updates:
         engines += [(ATEN, name, cfg, base_model) for name, cfg in chosen.items()]
-    mask_rows = next(m.mask_rows for m in base_model.modules() if isinstance(m, MaskGatedLoRA))
+    mask_rows = mask_rows_of(base_model)  # the embedded adapter's: `--aten-updates` switches its updates
     tokenizer = models["embedded"][1]
     groups = prompt_groups(args.per_group)
     for label, _, cfg, model in engines:  # warm-up

@@ -42,6 +42,11 @@ class MaskRows:
         return self.dense is not None and (self.rows is None or self.dense.numel() <= MAX_ROWS)
 
 
+def mask_rows_of(module: nn.Module) -> MaskRows | None:
+    """The `MaskRows` that the mask-gated layers in `module` read, or None where it has none."""
+    return next((m.mask_rows for m in module.modules() if isinstance(m, MaskGatedLoRA)), None)
+
+
 def mask_update(x: torch.Tensor, rows: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                 out: torch.Tensor) -> bool:
     """`out[rows] += (x[rows] @ lora_a) @ lora_b` by the native extension's loops (model/csrc, *mask updates*), on

@@ -37,7 +37,7 @@ from transformers.activations import SiLUActivation
 
 from refusion.model.extension import native_extension
 from refusion.model.fused import LINEAR_NAMES, FusedProduct, base_of
-from refusion.model.gated_lora import MaskGatedLoRA
+from refusion.model.gated_lora import MaskGatedLoRA, mask_rows_of
 from refusion.model.int4 import GROUP, Int4Linear
 from refusion.model.narrow import MAX_ROWS as NARROW_MAX_ROWS
 from refusion.model.narrow import NarrowLinear
@@ -61,7 +61,7 @@ class NativeLayers:
     def __init__(self, compact, extension):
         self.compact = compact
         self.extension = extension
-        self.mask_rows = next((m.mask_rows for m in compact.layers.modules() if isinstance(m, MaskGatedLoRA)), None)
+        self.mask_rows = mask_rows_of(compact.layers)
         """The adapter's record of the forward's mask rows (its updates read it), or None without an adapter."""
         self.sources: list[tuple[dict, str, torch.Tensor]] = []
         """(module's parameter or buffer dict, name, tensor) of every tensor the C++ layers read: one replaced or
