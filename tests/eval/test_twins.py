@@ -52,3 +52,24 @@ def test_read_queries_names_a_row_without_the_field(tmp_path):
     path.write_text(json.dumps({"prompt": "x"}) + "\n")
     with pytest.raises(ValueError, match="record 1 has no 'query' field"):
         read_queries([path])
+
+
+def test_shared_instructions_do_not_make_twins_but_a_shared_question_does():
+    instruction = "Answer the following multiple choice question. Think step by step, then finish with the letter."
+    topics = ["volcanoes erupt", "plants need light", "ice floats on water", "magnets attract iron",
+              "the moon has phases", "sound needs a medium", "rain forms in clouds", "bees pollinate flowers"]
+    training = [f"{instruction} Question: Which statement best explains why {t} in nature, number {i}?"
+                for i in range(4) for t in topics]  # 32 texts: the instruction's shingles are common
+    index = TwinIndex(training)
+    new = f"{instruction} Question: How far does a bicycle travel in ten seconds at two metres a second?"
+    assert index.find(new) is None
+    assert index.find(training[5].replace(instruction, "Think it through, then answer:")) == training[5]
+
+
+def test_a_question_asked_again_with_other_options_is_a_twin():
+    index = TwinIndex(["Question: Which activity is an example of a good health habit at home?\n\n"
+                       "A. watching television\nB. smoking cigarettes\nC. eating candy\nD. exercising every day"])
+    again = ("Answer the question.\n\nQuestion: Which activity is an example of a good health habit at home?\n\n"
+             "A. riding without a helmet\nB. smoking cigarettes\nC. wearing a hat\nD. eating with dirty hands")
+    assert index.find(again) is not None
+    assert index.find(again.replace("good health habit at home", "renewable energy source in a city")) is None

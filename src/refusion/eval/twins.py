@@ -7,8 +7,9 @@ counted from distilled answers to training-mix prompts (recipes/data), and a tes
 
 The rule: two texts are twins when, after `normalize` (lower case, every run of non-alphanumerics one space),
 one holds the other whole, or at least `MIN_SHARED` of the shorter text's word `SHINGLE`-grams occur in the
-other. Task texts are compared, not whole prompts: the instructions around them (the boxed-answer line, MBPP's
-test list format) are shared by every prompt of a task and say nothing about the task.
+other. Shingles common to many indexed texts (instructions every prompt of a task shares) are left out, and each
+paragraph of a prompt is also compared on its own, so that an ARC question asked again with other options, or a
+GSM8K problem inside a rewrite request, is found in a whole prompt.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from refusion.data import read_jsonl
 SHINGLE = 6
 """Words per shingle: long enough that stock phrases ("how many apples does he have") rarely make a twin alone."""
 MIN_SHARED = 0.8
-"""The fraction of the shorter text's shingles found in the other that makes two texts twins. At 0.5, MBPP's short
-task texts matched on their stock opening alone (71 of the 500 test tasks); at 0.8, 15 remain, each asking for
-the same function as a training task with one word changed ("the perimeter of a square" / "of a rombus"), whose
-answers the table would draft as well."""
+"""The fraction of the shorter text's telling shingles found in the other that makes two texts twins. At 0.5, MBPP's
+short task texts matched on little more than their opening (71 of the 500 test tasks)."""
+COMMON = 20
+"""A shingle found in more indexed texts than this is stock wording (a task's instructions, "write a function to
+find the") and tells nothing about the task: `find` leaves it out on both sides, so whole prompts can be compared
+without cutting their instructions off first."""
 _NON_WORD = re.compile(r"[^0-9a-z]+")
 
 
@@ -47,27 +50,26 @@ class TwinIndex:
     """The texts a benchmark must not overlap with, indexed by shingle (`find` is fast over ~10^4 texts)."""
 
     def __init__(self, texts: Iterable[str]):
-        self.texts: list[str] = []
-        self._normalized: list[str] = []
-        self._sizes: list[int] = []
-        self._by_shingle: dict[tuple[str, ...], list[int]] = defaultdict(list)
-        for text in texts:
-            self.add(text)
+        self.texts = list(texts)
+        self._normalized = [normalize(t) for t in self.texts]
+        self._shingles = [[hash(g) for g in shingles(t)] for t in self.texts]  # hashed: ~10^6 of them
+        self._by_shingle: dict[int, list[int]] = defaultdict(list)
+        for index, grams in enumerate(self._shingles):
+            for gram in grams:
+                self._by_shingle[gram].append(index)
 
-    def add(self, text: str) -> None:
-        index = len(self.texts)
-        grams = shingles(text)
-        self.texts.append(text)
-        self._normalized.append(normalize(text))
-        self._sizes.append(len(grams))
-        for gram in grams:
-            self._by_shingle[gram].append(index)
+    def _telling(self, grams: Iterable[int]) -> list[int]:
+        return [g for g in grams if len(self._by_shingle.get(g, ())) <= COMMON]
 
     def find(self, text: str) -> str | None:
-        """The indexed text `text` is a twin of (the one sharing the most shingles), or None."""
-        grams = shingles(text)
-        if not grams:
-            return None
+        """The indexed text `text`, or one of its paragraphs of more than SHINGLE words (a question apart from its
+        options, a task apart from its tests), is a twin of; None when there is none."""
+        parts = [text] + [p for p in re.split(r"\n\s*\n", text) if len(p.split()) > SHINGLE]
+        return next((twin for part in parts if (twin := self._find(part)) is not None), None)
+
+    def _find(self, text: str) -> str | None:
+        """The indexed text sharing the most telling shingles with `text`, if it is a twin."""
+        grams = self._telling(hash(g) for g in shingles(text))
         shared: dict[int, int] = defaultdict(int)
         for gram in grams:
             for index in self._by_shingle.get(gram, ()):
@@ -75,7 +77,8 @@ class TwinIndex:
         normalized = normalize(text)
         for index, count in sorted(shared.items(), key=lambda item: -item[1]):
             other = self._normalized[index]
-            if count >= MIN_SHARED * min(len(grams), self._sizes[index]) or normalized in other or other in normalized:
+            smaller = min(len(grams), len(self._telling(self._shingles[index])))
+            if count >= MIN_SHARED * smaller or normalized in other or other in normalized:
                 return self.texts[index]
         return None
 

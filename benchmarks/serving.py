@@ -1,0 +1,224 @@
+"""Serving benchmark in the manner of vLLM's `benchmark_serving`: concurrent streaming clients against an
+OpenAI-compatible endpoint, natural-length answers to held-out prompts; output tokens/s, TTFT, inter-token latency.
+
+Three servers on the same cores, one at a time: `refusion serve` on the embedded model, asked per request for its
+preset (the exact mode) and for AR decoding (`"refusion": {"strategy": "autoregressive"}`, the same server), and
+llama.cpp's `llama-server` on the base model's own GGUF file (`--llama-server BIN`; weights repacked as it does by
+default, warmed up, `-np` slots as many as refusion's batch rows). At each concurrency (`--clients`, default 1, 4,
+16, 64), every client sends requests from a shared queue of prompts until `--requests` (default: max(2 x clients,
+12)) are answered; the refusion variants take turns level by level. Answers end at EOS or `--max-tokens`.
+
+Prompts (`held_out_prompts`): GSM8K test from example 601, ARC-Challenge test from 401 and MBPP test ids from 411
+in `refusion eval`'s formats, with near-twins of the draft table's data (`refusion.eval.twins`) left out, and
+`FRESH_REQUESTS`, open-ended requests written for this benchmark: none was used to choose a setting or to train.
+
+    python benchmarks/serving.py [--clients 1,4,16,64] [--llama-server PATH/llama-server] [--max-tokens 128]
+
+Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+from serve_load import MAX_SECONDS, free_port, percentiles
+
+FRESH_REQUESTS = (
+    "Describe what a city sounds like at five in the morning.",
+    "Explain how a zipper works.",
+    "Write a short letter thanking a neighbour for watering my plants.",
+    "What should I bring on a day hike? Answer as a list.",
+    "Summarise the rules of chess in one paragraph.",
+    "Write a limerick about a forgetful wizard.",
+    "Why do cats purr? Give a short answer.",
+    "Give me three ideas for a rainy Sunday afternoon.",
+    "Explain the difference between weather and climate.",
+    "Write a two-sentence horror story set in a kitchen.",
+    "How do noise-cancelling headphones work?",
+    "Describe the taste of a lemon to someone who has never had one.",
+)
+"""Open-ended requests written for this benchmark (none in any training set, none used to choose a setting)."""
+TASK_SLICES = (("gsm8k", 600), ("arc_challenge", 400), ("mbpp", 400))
+"""(task, examples skipped): the parts of each test set no decision or training has touched (docs/BENCHMARKS.md)."""
+
+
+def held_out_prompts(per_task: int) -> list[str]:
+    """`per_task` prompts of each task slice (twins of the draft table's data left out) and FRESH_REQUESTS, interleaved."""
+    from refusion.eval.tasks import load_examples
+    from refusion.eval.twins import TwinIndex, read_queries, without_twins
+
+    root = Path(__file__).resolve().parents[1]
+    index = TwinIndex(read_queries(sorted(glob.glob(str(root / "recipes" / "data" / "*.jsonl.gz")))))
+    groups = []
+    for task, skip in TASK_SLICES:
+        examples = load_examples(task)[skip: skip + 4 * per_task]
+        kept, _ = without_twins(examples, lambda e: e.prompt, index)
+        groups.append([e.prompt for e in kept[:per_task]])
+    groups.append(list(FRESH_REQUESTS))
+    return [g[i] for i in range(max(map(len, groups))) for g in groups if i < len(g)]  # round robin
+
+
+# ------------------------------------------------------------------------------------------ servers
+def wait_healthy(proc: subprocess.Popen, url: str, what: str) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"serving: error: {what} exited with code {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.terminate()
+    raise SystemExit(f"serving: error: {what} did not become healthy in 300 s")
+
+
+def start_refusion(port: int, slots: int, threads: int | None) -> subprocess.Popen:
+    cmd = ["refusion", "serve", "--port", str(port), "--max-batch-size", str(slots), "--max-queue", "512",
+           "--log-level", "warning", "--served-model-name", "bench"]
+    if threads is not None:
+        cmd += ["--threads", str(threads)]
+    proc = subprocess.Popen(cmd)
+    wait_healthy(proc, f"http://127.0.0.1:{port}/health", "refusion serve")
+    return proc
+
+
+def start_llama(binary: str, port: int, slots: int, threads: int, context: int) -> subprocess.Popen:
+    from refusion.model.loading import smollm2_gguf_path
+
+    cmd = [binary, "-m", str(smollm2_gguf_path()), "--port", str(port), "-t", str(threads), "-np", str(slots),
+           "-c", str(context * slots), "--temp", "0", "--log-disable"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_healthy(proc, f"http://127.0.0.1:{port}/health", "llama-server")
+    return proc
+
+
+# ------------------------------------------------------------------------------------------ clients
+async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, extra: dict) -> dict:
+    """Stream one chat completion: time to the first text, each later text's arrival, tokens."""
+    body = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **extra}
+    start = time.perf_counter()
+    arrivals, tokens, chunks = [], 0, 0
+    async with client.stream("POST", url, json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line.strip() == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                arrivals.append(time.perf_counter() - start)
+                chunks += 1
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    latency = time.perf_counter() - start
+    tokens = tokens or chunks
+    ttft = arrivals[0] if arrivals else latency
+    return {"ttft": ttft, "latency": latency, "tokens": tokens,
+            "itl": (latency - ttft) / (tokens - 1) if tokens > 1 else 0.0}
+
+
+async def run_level(base: str, prompts: list[str], clients: int, requests: int, max_tokens: int,
+                    extra: dict) -> dict:
+    url = f"{base}/v1/chat/completions"
+    queue = list(range(requests))
+    results: list[dict] = []
+    limits = httpx.Limits(max_connections=clients + 1)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(MAX_SECONDS), limits=limits) as client:
+
+        async def worker() -> None:
+            while queue:
+                i = queue.pop(0)
+                results.append(await one_request(client, url, prompts[i % len(prompts)], max_tokens, extra))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(clients)))
+        wall = time.perf_counter() - start
+    tokens = sum(r["tokens"] for r in results)
+    return {"clients": clients, "requests": len(results), "seconds": wall, "tokens": tokens,
+            "output_tokens_per_second": tokens / wall, "mean_tokens": statistics.mean(r["tokens"] for r in results),
+            "ttft": percentiles([r["ttft"] for r in results]), "itl": percentiles([r["itl"] for r in results])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", default="1,4,16,64")
+    parser.add_argument("--requests", type=int, default=None, help="per level (default max(2 x clients, 12))")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--per-task", type=int, default=12, help="held-out prompts of each task slice")
+    parser.add_argument("--slots", type=int, default=8, help="refusion's --max-batch-size and llama-server's -np")
+    parser.add_argument("--threads", type=int, default=None, help="refusion serve --threads (default: its own)")
+    parser.add_argument("--llama-server", default=None, help="a llama-server binary (llama.cpp) to compare with")
+    parser.add_argument("--llama-threads", type=int, default=os.cpu_count())
+    args = parser.parse_args()
+    levels = [int(c) for c in args.clients.split(",")]
+    prompts = held_out_prompts(args.per_task)
+    variants = {"preset": {}, "autoregressive": {"refusion": {"strategy": "autoregressive"}}}
+    results: dict[str, list] = {name: [] for name in variants}
+
+    port = free_port()
+    server = start_refusion(port, args.slots, args.threads)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        info = httpx.get(f"{base}/v1/models", timeout=10).json()
+        for extra in variants.values():  # warm-up
+            asyncio.run(run_level(base, prompts, 1, 1, 16, extra))
+        for clients in levels:
+            requests = args.requests or max(2 * clients, 12)
+            for name, extra in variants.items():
+                time.sleep(0.5)
+                results[name].append(asyncio.run(run_level(base, prompts, clients, requests, args.max_tokens, extra)))
+                r = results[name][-1]
+                print(f"{name:15s} clients {clients:3d}: {r['output_tokens_per_second']:7.1f} tokens/s, "
+                      f"TTFT p50 {r['ttft']['p50']:.2f} s, ITL p50 {1000 * r['itl']['p50']:.1f} ms", flush=True)
+    finally:
+        server.terminate()
+        server.wait()
+    if args.llama_server:
+        results["llama_server"] = []
+        for clients in levels:
+            requests = args.requests or max(2 * clients, 12)
+            port = free_port()
+            llama = start_llama(args.llama_server, port, args.slots, args.llama_threads, 2048)
+            try:
+                base = f"http://127.0.0.1:{port}"
+                asyncio.run(run_level(base, prompts, 1, 1, 16, {}))  # warm-up
+                results["llama_server"].append(asyncio.run(run_level(base, prompts, clients, requests,
+                                                                     args.max_tokens, {})))
+                r = results["llama_server"][-1]
+                print(f"{'llama_server':15s} clients {clients:3d}: {r['output_tokens_per_second']:7.1f} tokens/s, "
+                      f"TTFT p50 {r['ttft']['p50']:.2f} s, ITL p50 {1000 * r['itl']['p50']:.1f} ms", flush=True)
+            finally:
+                llama.terminate()
+                llama.wait()
+    ratios = {f"preset_over_ar_at_{r['clients']}": r["output_tokens_per_second"] / a["output_tokens_per_second"]
+              for r, a in zip(results["preset"], results["autoregressive"])}
+    print(json.dumps({"benchmark": "serving", "model": info.get("data", [{}])[0], "prompts": len(prompts),
+                      "max_tokens": args.max_tokens, "slots": args.slots, "threads": args.threads,
+                      "cpu": _cpu_name(), "results": results, "ratios": ratios,
+                      "time": time.strftime("%Y-%m-%dT%H:%M:%S")}))
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+if __name__ == "__main__":
+    main()
