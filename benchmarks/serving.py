@@ -94,11 +94,11 @@ def start_refusion(port: int, slots: int, threads: int | None) -> subprocess.Pop
     return proc
 
 
-def start_llama(binary: str, port: int, slots: int, threads: int, context: int) -> subprocess.Popen:
+def start_llama(binary: str, port: int, slots: int, threads: int, context: int, spec: str) -> subprocess.Popen:
     from refusion.model.loading import smollm2_gguf_path
 
     cmd = [binary, "-m", str(smollm2_gguf_path()), "--port", str(port), "-t", str(threads), "-np", str(slots),
-           "-c", str(context * slots), "--temp", "0", "--log-disable"]
+           "-c", str(context * slots), "--temp", "0", "--log-disable", "--spec-type", spec]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_healthy(proc, f"http://127.0.0.1:{port}/health", "llama-server")
     return proc
@@ -163,6 +163,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="refusion serve --threads (default: its own)")
     parser.add_argument("--llama-server", default=None, help="a llama-server binary (llama.cpp) to compare with")
     parser.add_argument("--llama-threads", type=int, default=os.cpu_count())
+    parser.add_argument("--llama-specs", default="none,ngram-simple",
+                        help="llama-server --spec-type of each llama variant (none: plain decoding; ngram-simple: "
+                             "its prompt lookup)")
     args = parser.parse_args()
     levels = [int(c) for c in args.clients.split(",")]
     prompts = held_out_prompts(args.per_task)
@@ -187,19 +190,19 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait()
-    if args.llama_server:
-        results["llama_server"] = []
+    for spec in args.llama_specs.split(",") if args.llama_server else []:
+        name = "llama_server" if spec == "none" else f"llama_server_{spec}"
+        results[name] = []
         for clients in levels:
             requests = args.requests or max(2 * clients, 12)
             port = free_port()
-            llama = start_llama(args.llama_server, port, args.slots, args.llama_threads, 2048)
+            llama = start_llama(args.llama_server, port, args.slots, args.llama_threads, 2048, spec)
             try:
                 base = f"http://127.0.0.1:{port}"
                 asyncio.run(run_level(base, prompts, 1, 1, 16, {}))  # warm-up
-                results["llama_server"].append(asyncio.run(run_level(base, prompts, clients, requests,
-                                                                     args.max_tokens, {})))
-                r = results["llama_server"][-1]
-                print(f"{'llama_server':15s} clients {clients:3d}: {r['output_tokens_per_second']:7.1f} tokens/s, "
+                results[name].append(asyncio.run(run_level(base, prompts, clients, requests, args.max_tokens, {})))
+                r = results[name][-1]
+                print(f"{name:15s} clients {clients:3d}: {r['output_tokens_per_second']:7.1f} tokens/s, "
                       f"TTFT p50 {r['ttft']['p50']:.2f} s, ITL p50 {1000 * r['itl']['p50']:.1f} ms", flush=True)
             finally:
                 llama.terminate()
