@@ -4,36 +4,47 @@
 The rooms, by job: `routes.py` (the endpoints and the four phases of a generation request), `translate.py`
 (request -> decoding settings, token ids and jobs), `streaming.py` (scheduler events -> one response or
 server-sent events), `errors.py` (OpenAI-style error bodies), `server.py` (what the handlers share),
-`scheduler.py` (continuous batching), `metrics.py` (Prometheus).
+`access.py` (API key, CORS), `scheduler.py` (continuous batching), `metrics.py` (Prometheus),
+`settings.py` (the command's settings).
 """
 
 from __future__ import annotations
 
+import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
 from refusion.config import DecodeConfig
+from refusion.serve.access import add_access
 from refusion.serve.errors import add_error_handlers
 from refusion.serve.metrics import ServerMetrics
 from refusion.serve.routes import add_routes, document_request_bodies
 from refusion.serve.scheduler import Scheduler
 from refusion.serve.schemas import now
-from refusion.serve.server import Server
+from refusion.serve.server import Server, engine_of
+
+log = logging.getLogger("refusion.serve")
 
 
 def create_app(model, tokenizer, *, config: DecodeConfig | None = None, model_name: str = "refusion",
-               max_batch_size: int = 8, max_queue: int = 64) -> FastAPI:
-    """A FastAPI app serving `model`; its scheduler thread starts and stops with the app (lifespan)."""
+               max_batch_size: int = 8, max_queue: int = 64, api_key: str | None = None,
+               cors_origins: tuple[str, ...] = (), request_timeout: float | None = None) -> FastAPI:
+    """A FastAPI app serving `model`; its scheduler thread starts and stops with the app (lifespan). `api_key`,
+    `cors_origins` and `request_timeout` are `ServeConfig`'s fields (serve/settings.py)."""
     config = config or DecodeConfig()
     _check_model_fits(model, config)
     metrics = ServerMetrics()
     scheduler = Scheduler(model, tokenizer, max_batch_size=max_batch_size, max_queue=max_queue, observer=metrics)
-    metrics.watch(queue_depth=lambda: len(scheduler.waiting), batch_size=lambda: len(scheduler.live))
-    server = Server(model, tokenizer, config, model_name, scheduler, now(), metrics)
+    server = Server(model, tokenizer, config, model_name, scheduler, now(), metrics, request_timeout=request_timeout,
+                    engine=engine_of(model))
+    metrics.watch(queue_depth=lambda: len(scheduler.waiting), batch_size=lambda: len(scheduler.live),
+                  kv_cache_usage=lambda: _kv_cache_usage(server), model_name=model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        log.info("serving %s: %s on %s, %s", model_name, server.engine["dtype"], server.engine["device"],
+                 server.engine["setup"])
         scheduler.start()
         try:
             yield
@@ -43,9 +54,19 @@ def create_app(model, tokenizer, *, config: DecodeConfig | None = None, model_na
     app = FastAPI(title="refusion", description="OpenAI-compatible ReFusion server", lifespan=lifespan)
     app.state.server = server
     add_error_handlers(app)
+    add_access(app, api_key=api_key, cors_origins=tuple(cors_origins))
     add_routes(app, server)
     document_request_bodies(app)
     return app
+
+
+def _kv_cache_usage(server: Server) -> float:
+    """The share of the most the KV cache will hold (every batch row at the model's context length) that the running
+    sequences hold now; without a known context length, the share of batch rows in use."""
+    rows = server.scheduler.max_batch_size
+    if server.context_length is None:
+        return len(server.scheduler.live) / rows
+    return min(server.scheduler.held_tokens() / (rows * server.context_length), 1.0)
 
 
 def _check_model_fits(model, config: DecodeConfig) -> None:

@@ -18,7 +18,7 @@ log = logging.getLogger("refusion.serve")
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-               500: "server_error", 503: "server_error"}
+               500: "server_error", 503: "server_error", 504: "server_error"}
 
 
 class ApiError(Exception):

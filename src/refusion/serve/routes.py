@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -80,7 +81,7 @@ def document_request_bodies(app: FastAPI) -> None:
 
 def model_card(server: Server) -> dict:
     return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "refusion",
-            "max_model_len": server.context_length}
+            "max_model_len": server.context_length, "refusion": server.engine}
 
 
 def check_model_name(server: Server, name: str) -> None:
@@ -136,14 +137,17 @@ async def generate(server: Server, request: Request, body, prompts: list[list[in
         raise ApiError(503, str(e), code="unavailable") from None
     timer.queued = True
 
-    # 3. relay the events
+    # 3. relay the events (until the request's deadline, if the server sets one)
+    deadline = None
+    if server.request_timeout is not None:
+        deadline = loop.time() + server.request_timeout - (time.perf_counter() - timer.started)
     reply = streaming.Reply(server, body, prompts, chat)
     if body.stream:
-        return StreamingResponse(streaming.stream(server, request, jobs, queue, reply, timer),
+        return StreamingResponse(streaming.stream(server, request, jobs, queue, reply, timer, deadline),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
-        return await streaming.collect(request, jobs, queue, reply)
+        return await streaming.collect(request, jobs, queue, reply, deadline)
     finally:
         for job in jobs:
             server.scheduler.cancel(job)  # no-op for finished jobs; frees the rows of a client that left

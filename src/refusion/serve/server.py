@@ -3,7 +3,7 @@ scheduler and the metrics). Built once by `app.create_app`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from refusion.config import DecodeConfig
 from refusion.serve.metrics import ServerMetrics
@@ -22,7 +22,20 @@ class Server:
     scheduler: Scheduler
     created: int
     metrics: ServerMetrics
+    request_timeout: float | None = None
+    """Seconds a generation request may take from arrival (None: no limit)."""
+    engine: dict = field(default_factory=dict)
+    """What decodes: {"dtype", "device", "setup"} (`engine_of`), shown in /v1/models and the start-up log."""
 
     @property
     def context_length(self) -> int | None:
         return getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+
+
+def engine_of(model) -> dict:
+    """The dtype, device and setup (kernels, draft table, row-exactness: `ModelSetup.describe`) in force."""
+    from refusion.model.setup import setup_of
+
+    parameter = next(model.parameters())
+    return {"dtype": str(parameter.dtype).removeprefix("torch."), "device": str(parameter.device),
+            "setup": setup_of(model).describe()}

@@ -24,6 +24,8 @@ ERROR_STATUS = {DECODING_FAILED: 500, SHUTTING_DOWN: 503}
 CLIENT_CLOSED_REQUEST = 499
 """Status recorded (and, for a non-streamed request, answered) when the client left first (nginx's code)."""
 DISCONNECT_POLL_SECONDS = 0.25
+REQUEST_TIMEOUT = "request_timeout"
+"""Error code of a request that outlived the server's --request-timeout (answered 504)."""
 
 
 class Reply:
@@ -91,16 +93,22 @@ class Reply:
                 "created": self.created, "model": self.model, "system_fingerprint": None, "choices": choices}
 
 
-async def events(request: Request, queue: asyncio.Queue) -> AsyncIterator[tuple[int, Event]]:
+async def events(request: Request, queue: asyncio.Queue, deadline: float | None = None
+                 ) -> AsyncIterator[tuple[int, Event]]:
     """The jobs' events as they come; ends when the client has disconnected (checked every
     DISCONNECT_POLL_SECONDS whether events flow or not), so a client that leaves before its first chunk, or
-    an ASGI server that drops writes to a closed connection, never keeps a sequence decoding."""
+    an ASGI server that drops writes to a closed connection, never keeps a sequence decoding. Past `deadline`
+    (the event loop's clock) it raises a 504 `request_timeout`."""
     next_check = loop_time() + DISCONNECT_POLL_SECONDS
     while True:
+        wait = DISCONNECT_POLL_SECONDS if deadline is None else max(min(DISCONNECT_POLL_SECONDS,
+                                                                        deadline - loop_time()), 0)
         try:
-            item = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_SECONDS)
+            item = await asyncio.wait_for(queue.get(), wait)
         except asyncio.TimeoutError:
             item = None
+        if item is None and deadline is not None and loop_time() >= deadline:
+            raise timed_out()
         if loop_time() >= next_check:
             next_check = loop_time() + DISCONNECT_POLL_SECONDS
             if await request.is_disconnected():
@@ -109,11 +117,18 @@ async def events(request: Request, queue: asyncio.Queue) -> AsyncIterator[tuple[
             yield item
 
 
-async def collect(request: Request, jobs: list[Job], queue: asyncio.Queue, reply: Reply) -> JSONResponse:
-    """Non-streamed: gather every job's deltas until its final event (or until the client leaves)."""
+def timed_out() -> ApiError:
+    return ApiError(504, "the request did not finish within the server's request timeout (--request-timeout); "
+                         "its decoding was stopped", code=REQUEST_TIMEOUT)
+
+
+async def collect(request: Request, jobs: list[Job], queue: asyncio.Queue, reply: Reply,
+                  deadline: float | None = None) -> JSONResponse:
+    """Non-streamed: gather every job's deltas until its final event (or until the client leaves, or `deadline`
+    passes: a 504)."""
     texts, finals = [""] * len(jobs), [None] * len(jobs)
     logprobs: list[list[PublishedLogprob]] = [[] for _ in jobs]
-    async with contextlib.aclosing(events(request, queue)) as stream:
+    async with contextlib.aclosing(events(request, queue, deadline)) as stream:
         async for index, event in stream:
             if event.error is not None:
                 raise ApiError(ERROR_STATUS.get(event.code, 500), event.error, code=event.code or DECODING_FAILED)
@@ -130,9 +145,9 @@ async def collect(request: Request, jobs: list[Job], queue: asyncio.Queue, reply
 
 
 async def stream(server: Server, request: Request, jobs: list[Job], queue: asyncio.Queue,
-                 reply: Reply, timer: RequestTimer) -> AsyncIterator[str]:
+                 reply: Reply, timer: RequestTimer, deadline: float | None = None) -> AsyncIterator[str]:
     """Streamed: one SSE chunk per delta, a last chunk per choice with its finish_reason, then [DONE]. An error
-    (decoding failed, server shutting down) is an `{"error": ...}` event, then [DONE].
+    (decoding failed, server shutting down, `deadline` passed) is an `{"error": ...}` event, then [DONE].
 
     When the client disconnects, the server cancels this generator (ASGI spec < 2.4) or `events` ends
     (any server); `finally` frees the jobs' rows.
@@ -143,25 +158,29 @@ async def stream(server: Server, request: Request, jobs: list[Job], queue: async
             for i in range(len(jobs)):
                 yield sse(reply.chunk(i, None, role=True))
         done, completion_tokens = 0, 0
-        async with contextlib.aclosing(events(request, queue)) as relayed:
-            async for index, event in relayed:
-                if event.error is not None:
-                    status = ERROR_STATUS.get(event.code, 500)
-                    yield sse(error_body(event.error, type="server_error", code=event.code or DECODING_FAILED))
-                    break
-                if event.delta or event.logprobs:
-                    yield sse(reply.chunk(index, event.delta, event))
-                if event.final:
-                    done += 1
-                    completion_tokens += event.completion_tokens
-                    yield sse(reply.chunk(index, None, event))
-                if done == len(jobs):
-                    if reply.include_usage:
-                        yield sse(reply.usage_chunk(completion_tokens))
-                    status = 200
-                    break
-            else:
-                return  # the client has gone
+        try:
+            async with contextlib.aclosing(events(request, queue, deadline)) as relayed:
+                async for index, event in relayed:
+                    if event.error is not None:
+                        status = ERROR_STATUS.get(event.code, 500)
+                        yield sse(error_body(event.error, type="server_error", code=event.code or DECODING_FAILED))
+                        break
+                    if event.delta or event.logprobs:
+                        yield sse(reply.chunk(index, event.delta, event))
+                    if event.final:
+                        done += 1
+                        completion_tokens += event.completion_tokens
+                        yield sse(reply.chunk(index, None, event))
+                    if done == len(jobs):
+                        if reply.include_usage:
+                            yield sse(reply.usage_chunk(completion_tokens))
+                        status = 200
+                        break
+                else:
+                    return  # the client has gone
+        except ApiError as e:  # the deadline passed
+            status = e.status
+            yield sse(error_body(e.message, type="server_error", code=e.code))
         yield "data: [DONE]\n\n"
     finally:
         timer.finish(status)
