@@ -70,7 +70,10 @@ def validation_error(e: RequestValidationError | ValidationError) -> ApiError:
         return ApiError(400, f"missing required field {param!r}", param=param)
     if err.get("type") == "extra_forbidden":
         return ApiError(400, f"unknown field {param!r}", param=param)
-    got = json.dumps(err.get("input"), default=str)
+    try:
+        got = json.dumps(err.get("input"), default=str)
+    except (RecursionError, ValueError):  # nested too deeply to show (or circular)
+        got = type(err.get("input")).__name__
     got = got if len(got) <= 80 else got[:77] + "..."
     where = f"{param}: " if param else "request body: "
     return ApiError(400, f"{where}{err.get('msg', 'invalid value')} (got {got})", param=param)

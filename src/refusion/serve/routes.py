@@ -124,7 +124,7 @@ async def generate(server: Server, request: Request, body, prompts: list[list[in
 
     translate.check_fits_scheduler(server, len(prompts), body.choices_per_prompt())
     emits = [emitter(i) for i in range(len(prompts) * body.choices_per_prompt())]
-    jobs = translate.build_jobs(server, body, prompts, emits)
+    jobs = await translate.build_jobs(server, body, prompts, emits)
 
     # 2. queue them
     try:

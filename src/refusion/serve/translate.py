@@ -5,6 +5,7 @@ request field, raised before anything is queued."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from fastapi import Request
@@ -25,6 +26,15 @@ from refusion.serve.server import Server
 
 MAX_BODY_BYTES = 8 << 20
 """Larger bodies are refused (413) before they are parsed or tokenized."""
+MAX_SCHEMA_DEPTH = 128
+"""Most levels of JSON nesting in a response_format (a property nested in an object schema takes two); llguidance's
+own parser refuses recursion much deeper than this."""
+MAX_SCHEMA_BYTES = 128 << 10
+"""Largest response_format compiled, as JSON (OpenAI's structured outputs allow 120,000 characters of names and
+values). Each sequence builds its grammar's matcher when it joins the batch, in the scheduler thread, in a time that
+grows with the schema (~0.3 s at 300 kB on the 2-core development machine): the bound keeps that pause short."""
+GRAMMAR_COMPILE_SECONDS = 10.0
+"""A response_format that takes longer to compile is refused (llguidance's own limits normally end it sooner)."""
 
 
 async def parse_body(request: Request, schema: type[BaseModel]):
@@ -39,6 +49,8 @@ async def parse_body(request: Request, schema: type[BaseModel]):
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply to parse") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
     try:
@@ -83,15 +95,15 @@ def check_fits_scheduler(server: Server, prompts: int, n: int) -> None:
                             "prompts", param="n" if n > 1 else "prompt")
 
 
-def build_jobs(server: Server, body, prompts: list[list[int]], emits) -> list[Job]:
+async def build_jobs(server: Server, body, prompts: list[list[int]], emits) -> list[Job]:
     """n jobs per prompt (choice index = prompt index * n + j, as OpenAI orders them). Prompts are validated
     here, so that a bad one is a 400 naming its field before anything is queued (`Decoder.add` checks again
     when the scheduler admits the job); the decoder seeds each sequence's generator with seed + its choice
-    index (at random when the request gives no seed)."""
+    index (at random when the request gives no seed). The response grammar is compiled once per request."""
     from refusion.decode.loop import validate_prompts
     from refusion.model.setup import setup_of
 
-    n, jobs = body.choices_per_prompt(), []
+    n, plans = body.choices_per_prompt(), []
     for p, prompt in enumerate(prompts):
         cfg = request_config(server, body, len(prompt))
         try:
@@ -104,32 +116,81 @@ def build_jobs(server: Server, body, prompts: list[list[int]], emits) -> list[Jo
             raise config_error(e, prompt_param, too_long_param) from None
         if body.refusion is not None and body.refusion.ignore_eos:
             eos_ids = []
-        grammar = response_grammar(server, body, cfg, eos_ids)
-        for index in range(p * n, (p + 1) * n):
-            jobs.append(Job(prompt, cfg, mask_id, eos_ids, emits[index], stops=body.stop_strings(), index=index,
-                            grammar=grammar))
-    return jobs
+        plans.append((prompt, cfg, mask_id, eos_ids))
+    _, cfg, _, eos_ids = plans[0]  # every prompt of a request has the same strategy and EOS tokens
+    grammar = await response_grammar(server, body, cfg, eos_ids)
+    return [Job(prompt, cfg, mask_id, eos_ids, emits[index], stops=body.stop_strings(), index=index, grammar=grammar)
+            for p, (prompt, cfg, mask_id, eos_ids) in enumerate(plans) for index in range(p * n, (p + 1) * n)]
 
 
-def response_grammar(server: Server, body, cfg: DecodeConfig, eos_ids: list[int]):
+async def response_grammar(server: Server, body, cfg: DecodeConfig, eos_ids: list[int]):
     """The compiled grammar of the request's response_format (None for none or "text"); a strategy that cannot
-    honour it, or a schema the grammar engine cannot compile, is a 400 naming the field."""
+    honour it, or a schema the grammar engine cannot compile, is a 400 naming the field.
+
+    A schema of any size or depth is bounded: deeper than MAX_SCHEMA_DEPTH or larger than MAX_SCHEMA_BYTES is
+    refused before compiling; llguidance bounds its own work (its parser limits: lexer fuel, grammar size); the
+    compile runs in a worker thread, off the event loop, and one that outlasts GRAMMAR_COMPILE_SECONDS is refused."""
     if body.response_format is None or body.response_format.type == "text":
         return None
     try:
-        from refusion.decode.grammar import ResponseGrammar, UnsupportedStrategy, check_strategy
+        from refusion.decode.grammar import UnsupportedStrategy, check_strategy
     except ImportError:  # pragma: no cover - the serve extra installs it
         raise ApiError(400, "response_format needs llguidance (pip install 'refusion[serve]')",
                        param="response_format") from None
     try:
         check_strategy(cfg.strategy)
-        vocab_size = server.model.config.get_text_config().vocab_size
-        with server.scheduler.tokenizer_lock:
-            return ResponseGrammar.compile(server.tokenizer, body.response_format.as_dict(), vocab_size, eos_ids)
     except UnsupportedStrategy as e:
         raise ApiError(400, str(e), param="refusion.strategy") from None
-    except (ValueError, ImportError) as e:
-        raise ApiError(400, str(e), param="response_format") from None
+    response_format = body.response_format.as_dict()
+    _check_schema_bounds(response_format)
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(_compile_grammar, server, response_format, eos_ids),
+                                      GRAMMAR_COMPILE_SECONDS)
+    except asyncio.TimeoutError:
+        raise ApiError(400, f"response_format: the schema did not compile within {GRAMMAR_COMPILE_SECONDS:g} s; "
+                            "simplify it", param="response_format") from None
+    except (ValueError, ImportError, RecursionError) as e:
+        raise ApiError(400, str(e) if not isinstance(e, RecursionError) else
+                       "response_format: the schema is nested too deeply to compile", param="response_format") from None
+
+
+def _compile_grammar(server: Server, response_format: dict, eos_ids: list[int]):
+    """(worker thread) Compile, then follow the grammar's first steps as each sequence will when it joins the batch
+    (its first mask, the tokens the grammar forces, the mask after them): a grammar that hits one of llguidance's
+    limits there (e.g. a thousand optional properties in any order: too many Earley items once '{' is read), or that
+    this tokenizer cannot spell, is refused here, not found failing in the batch."""
+    from refusion.decode.grammar import ResponseGrammar
+
+    vocab_size = server.model.config.get_text_config().vocab_size
+    with server.scheduler.tokenizer_lock:
+        grammar = ResponseGrammar.compile(server.tokenizer, response_format, vocab_size, eos_ids)
+    trial = grammar.state()
+    trial.allowed()
+    forced = trial.matcher.compute_ff_tokens()
+    if forced and trial.matcher.consume_tokens(forced):
+        trial.allowed()
+    if trial.matcher.is_error():
+        reason = trial.matcher.get_error().strip().splitlines()[0]  # the rest restates the grammar
+        raise ValueError(f"response_format: the grammar engine cannot follow this schema with this model's "
+                         f"tokenizer: {reason}")
+    return grammar
+
+
+def _check_schema_bounds(response_format: dict) -> None:
+    """A 400 for a response_format nested deeper than MAX_SCHEMA_DEPTH or larger than MAX_SCHEMA_BYTES (walked
+    level by level, so any depth is measured without recursion)."""
+    depth, level = 0, [response_format]
+    while level:
+        depth += 1
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ApiError(400, f"response_format is nested more than {MAX_SCHEMA_DEPTH} levels deep",
+                           param="response_format")
+        level = [child for value in level for child in
+                 (value.values() if isinstance(value, dict) else value) if isinstance(child, (dict, list))]
+    size = len(json.dumps(response_format))
+    if size > MAX_SCHEMA_BYTES:
+        raise ApiError(400, f"response_format is {size} bytes of JSON; at most {MAX_SCHEMA_BYTES} are compiled",
+                       param="response_format")
 
 
 def request_config(server: Server, body, prompt_length: int) -> DecodeConfig:
