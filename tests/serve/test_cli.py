@@ -154,3 +154,20 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(tmp_path
         assert server.wait(30) == 0
     finally:
         server.kill()
+
+
+def test_replica_flags(monkeypatch, capsys):
+    from refusion.serve import cli
+    from refusion.serve.settings import ServeConfig
+
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers())
+    settings = cli.serve_config_from_args(parser.parse_args(
+        ["serve", "--replicas", "2", "--max-replicas", "4", "--replica-cpus", "1.5", "--replica-gpus", "0"]))
+    assert (settings.replicas, settings.max_replicas, settings.replica_cpus, settings.replica_gpus) == (2, 4, 1.5, 0)
+    with pytest.raises(ValueError, match="--max-replicas=1 is invalid: must be >= --replicas=2"):
+        ServeConfig(replicas=2, max_replicas=1)
+    monkeypatch.setitem(sys.modules, "ray", None)  # Ray Serve not installed: one line naming the extra
+    assert cli.main(["--replicas", "2"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "refusion serve: error: --replicas needs Ray Serve: pip install 'refusion[replicas]'"

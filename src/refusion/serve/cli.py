@@ -29,6 +29,8 @@ def add_parser(subparsers) -> None:
         "cors_origin": {"action": "append", "metavar": "ORIGIN"},
         "request_timeout": {"type": float, "metavar": "SECONDS"},
         "shutdown_grace": {"type": float, "metavar": "SECONDS"},
+        "replica_cpus": {"type": float, "metavar": "CORES"},
+        "replica_gpus": {"type": float, "metavar": "GPUS"},
     })
     add_decode_arguments(p)
     p.set_defaults(func=run)
@@ -71,6 +73,11 @@ def run(args: argparse.Namespace) -> int:
     cfg = decode_config_from_args(args)  # validated before the model loads
     check_device(args.device)
     show_server_log(settings.log_level)
+    if settings.replicas > 1 or settings.max_replicas is not None:
+        from refusion.serve import replicas
+
+        spec = replicas.LoadSpec(args.model, args.dtype, args.device, args.linear, args.attention, args.compile)
+        return replicas.run(spec, cfg, settings, settings.served_model_name or served_name(args.model))
     model, tokenizer = load_from_args(args)
     set_cpu_threads(model, settings.threads)
     app = create_app(model, tokenizer, config=cfg, model_name=settings.served_model_name or served_name(args.model),

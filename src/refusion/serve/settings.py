@@ -46,6 +46,17 @@ class ServeConfig:
     """Seconds a generation request may take from arrival (queue included); past it its decoding stops, its
     batch row is freed and it ends with a 504 `request_timeout` (default: no limit)."""
 
+    replicas: int = 1
+    """Engine replicas behind one endpoint: more than 1 runs them on Ray Serve (pip install 'refusion[replicas]';
+    serve/replicas.py), each a whole server with its own model, batch and cores (or GPU)."""
+    max_replicas: int | None = None
+    """With --replicas N: let Ray Serve autoscale between N and this many replicas, aiming at --max-batch-size
+    requests in flight per replica (default: exactly N)."""
+    replica_cpus: float | None = None
+    """CPU cores each replica reserves (and its torch threads); default: the machine's cores / --replicas."""
+    replica_gpus: float | None = None
+    """GPUs each replica reserves; default: 1 where CUDA is available, else 0."""
+
     def __post_init__(self):
         _require(self.max_batch_size >= 1, "max_batch_size", self.max_batch_size, "must be >= 1")
         _require(self.max_queue >= 0, "max_queue", self.max_queue, "must be >= 0")
@@ -58,6 +69,11 @@ class ServeConfig:
         _require(all(o.strip() for o in self.cors_origin), "cors_origin", self.cors_origin, "origins must be non-empty")
         _require(self.request_timeout is None or self.request_timeout > 0, "request_timeout", self.request_timeout,
                  "must be > 0 seconds")
+        _require(self.replicas >= 1, "replicas", self.replicas, "must be >= 1")
+        _require(self.max_replicas is None or self.max_replicas >= self.replicas, "max_replicas", self.max_replicas,
+                 f"must be >= --replicas={self.replicas}")
+        _require(self.replica_cpus is None or self.replica_cpus > 0, "replica_cpus", self.replica_cpus, "must be > 0")
+        _require(self.replica_gpus is None or self.replica_gpus >= 0, "replica_gpus", self.replica_gpus, "must be >= 0")
 
 
 def api_key_from(flag: str | None) -> str | None:
