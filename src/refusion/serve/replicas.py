@@ -53,12 +53,12 @@ class EngineReplica:
     """One replica: loads the model in its own process, then serves the refusion app (`__serve_build_asgi_app__`)."""
 
     def __init__(self, spec: LoadSpec, decode: DecodeConfig, settings: ServeConfig, model_name: str,
-                 threads: int | None):
-        from refusion.serve.cli import set_cpu_threads
+                 threads: int):
+        import torch
 
         self.spec, self.decode, self.settings, self.model_name = spec, decode, settings, model_name
+        torch.set_num_threads(threads)  # the cores this replica reserved
         self.model, self.tokenizer = spec.load()
-        set_cpu_threads(self.model, threads)
         self.refusion_app = None
 
     def __serve_build_asgi_app__(self):
