@@ -37,10 +37,14 @@ def engine_text(tiny, content: str, **cfg) -> str:
     return tokenizer.decode(out.sequences[0], skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
-def test_models_and_health(live):
+def test_models_and_health(live, tiny):
     client = live.client()
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
+    engine = client.models.retrieve(MODEL).model_extra["refusion"]  # what decodes, from the model itself
+    model = tiny[0]
+    assert engine == {"dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "device": "cpu",
+                      "setup": refusion.setup_of(model).describe()}
     health = httpx.get(f"{live.url}/health").json()
     assert health["status"] == "ok" and health["running"] and health["max_batch_size"] == 4
 

@@ -21,25 +21,28 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 def test_serve_parser_and_bad_flags():
     from refusion.serve import cli
+    from refusion.serve.settings import SHUTDOWN_GRACE_SECONDS
 
     parser = argparse.ArgumentParser()
     cli.add_parser(parser.add_subparsers())
     args = parser.parse_args(["serve", "--model", "m", "--port", "0", "--max-batch-size", "2", "--slot-size", "4",
                               "--block-size", "8", "--preset", "demo"])
-    assert args.func is cli.run and (args.max_batch_size, args.max_queue, args.port) == (2, 64, 0)
+    settings = cli.serve_config_from_args(args)
+    assert args.func is cli.run and (settings.max_batch_size, settings.max_queue, settings.port) == (2, 64, 0)
     assert cli.served_name("/models/refusion-qwen3/") == "refusion-qwen3" and cli.served_name(None) == "refusion"
     with pytest.raises(ValueError, match="max-batch-size"):
         cli.run(parser.parse_args(["serve", "--max-batch-size", "0"]))
     with pytest.raises(ValueError, match="shutdown-grace"):
         cli.run(parser.parse_args(["serve", "--shutdown-grace", "-1"]))
-    assert args.shutdown_grace == cli.SHUTDOWN_GRACE_SECONDS
+    assert settings.shutdown_grace == SHUTDOWN_GRACE_SECONDS
     with pytest.raises(ValueError, match="block_size"):  # decoding flags are checked before the model loads
         cli.run(parser.parse_args(["serve", "--model", "/nonexistent", "--slot-size", "3"]))
     assert cli.main(["--model", "/nonexistent/model"]) == 2
 
 
-def _listening_port(server: subprocess.Popen, timeout: float = 60.0) -> int:
-    """The port uvicorn reports it listens on (the command was started with --port 0)."""
+def _listening_port(server: subprocess.Popen, timeout: float = 60.0, log: list[str] | None = None) -> int:
+    """The port uvicorn reports it listens on (the command was started with --port 0); the lines logged until
+    then are appended to `log`."""
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in server.stdout], daemon=True).start()
     deadline, seen = time.monotonic() + timeout, []
@@ -52,6 +55,7 @@ def _listening_port(server: subprocess.Popen, timeout: float = 60.0) -> int:
         seen.append(line)
         match = re.search(r"running on http://127\.0\.0\.1:(\d+)", line)
         if match:
+            (log if log is not None else []).extend(seen)
             return int(match.group(1))
     raise AssertionError(f"the server did not start in {timeout} s: {''.join(seen)}")
 
@@ -67,10 +71,14 @@ def test_serve_command_end_to_end(tmp_path, tiny):
            "--log-level", "info"]  # port 0: the OS picks a free one, uvicorn logs it
     server = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        url = f"http://127.0.0.1:{_listening_port(server)}"
+        log: list[str] = []
+        url = f"http://127.0.0.1:{_listening_port(server, log=log)}"
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
-        name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-        assert name == tmp_path.name
+        card = httpx.get(f"{url}/v1/models").json()["data"][0]
+        assert card["id"] == tmp_path.name and card["refusion"]["dtype"] == "float32"
+        started = f"serving {tmp_path.name}: float32 on cpu, {card['refusion']['setup']}"
+        assert any(started in line for line in log), log  # the start-up log names the dtype and kernels
+        name = card["id"]
         response = httpx.post(f"{url}/v1/completions", json={"model": name, "prompt": "hi"}, timeout=30).json()
         assert response["usage"]["completion_tokens"] == 8  # the --max-new-tokens default
     finally:
@@ -146,3 +154,20 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_exits_0(tmp_path
         assert server.wait(30) == 0
     finally:
         server.kill()
+
+
+def test_replica_flags(monkeypatch, capsys):
+    from refusion.serve import cli
+    from refusion.serve.settings import ServeConfig
+
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers())
+    settings = cli.serve_config_from_args(parser.parse_args(
+        ["serve", "--replicas", "2", "--max-replicas", "4", "--replica-cpus", "1.5", "--replica-gpus", "0"]))
+    assert (settings.replicas, settings.max_replicas, settings.replica_cpus, settings.replica_gpus) == (2, 4, 1.5, 0)
+    with pytest.raises(ValueError, match="--max-replicas=1 is invalid: must be >= --replicas=2"):
+        ServeConfig(replicas=2, max_replicas=1)
+    monkeypatch.setitem(sys.modules, "ray", None)  # Ray Serve not installed: one line naming the extra
+    assert cli.main(["--replicas", "2"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "refusion serve: error: --replicas needs Ray Serve: pip install 'refusion[replicas]'"

@@ -26,7 +26,15 @@ METRICS = {  # family name (as the parser reports it, without _total) -> type
     "refusion_drafted_tokens": "counter",
     "refusion_accepted_tokens": "counter",
     "refusion_tokens_per_forward": "histogram",
+    "refusion_kv_cache_usage_ratio": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:num_requests_running": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:gpu_cache_usage_perc": "gauge",
 }
+ROUTING = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+           "vllm:gpu_cache_usage_perc")
+"""The gauges llm-d's endpoint picker reads (vLLM's names, labelled model_name)."""
 
 
 def scrape(url: str) -> dict[str, dict[tuple, float]]:
@@ -118,3 +126,48 @@ def test_each_app_counts_apart(tiny):
         assert value(scrape(two.url), "refusion_requests", "refusion_requests_total", status="200",
                      strategy="refusion") == 0
     assert REGISTRY.get_sample_value("refusion_requests_total", {"status": "200", "strategy": "refusion"}) is None
+
+
+def test_the_routing_gauges_move_under_load(tiny):
+    with live_server(tiny, max_batch_size=2, max_queue=4) as live:
+        idle = scrape(live.url)
+        assert [value(idle, name, model_name=MODEL) for name in ROUTING] == [0, 0, 0, 0]
+        step = live.scheduler.decoder.step
+
+        def slow_step(**kwargs):
+            time.sleep(0.01)
+            return step(**kwargs)
+
+        live.scheduler.decoder.step = slow_step
+        long = chat_body(max_tokens=120, refusion={"strategy": "autoregressive", "ignore_eos": True})
+        threads = [threading.Thread(target=httpx.post, args=(f"{live.url}/v1/chat/completions",),
+                                    kwargs={"json": long, "timeout": 60}) for _ in range(3)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 20
+        while live.scheduler.status()["live"] + live.scheduler.status()["waiting"] < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        readings = []
+        for tokens in (2, 30):  # two moments of the same batch: the cache holds more at the second
+            while min(job.tokens for job in list(live.scheduler.live)) < tokens:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            live.scheduler.pause()  # freeze the batch between two steps, read, go on
+            time.sleep(0.1)
+            during = scrape(live.url)
+            held = live.scheduler.held_tokens()
+            live.scheduler.resume()
+            usage = held / (2 * tiny[0].config.max_position_embeddings)
+            assert value(during, "vllm:num_requests_waiting", model_name=MODEL) == 1
+            assert value(during, "vllm:num_requests_running", model_name=MODEL) == 2
+            assert value(during, "vllm:kv_cache_usage_perc", model_name=MODEL) == pytest.approx(usage)
+            assert value(during, "vllm:gpu_cache_usage_perc", model_name=MODEL) == pytest.approx(usage)
+            assert value(during, "refusion_kv_cache_usage_ratio") == pytest.approx(usage)
+            readings.append(usage)
+        assert 0 < readings[0] < readings[1] < 1
+        for t in threads:
+            t.join(60)
+        live.wait_idle()
+        after = scrape(live.url)
+        assert [value(after, name, model_name=MODEL) for name in ROUTING] == [0, 0, 0, 0]

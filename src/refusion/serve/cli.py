@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 from refusion.arguments import (
+    add_dataclass_arguments,
     add_decode_arguments,
     add_model_arguments,
     decode_config_from_args,
     load_from_args,
 )
-
-SHUTDOWN_GRACE_SECONDS = 20.0
-"""Default of --shutdown-grace: after SIGTERM, accepted requests have this long to finish. With the flush time
-of serve/shutdown.py (5 s) it stays under the 30 s that Kubernetes and most supervisors wait before SIGKILL."""
+from refusion.serve.settings import LOG_LEVELS, ServeConfig, api_key_from
 
 
 def add_parser(subparsers) -> None:
@@ -24,23 +23,27 @@ def add_parser(subparsers) -> None:
                     "are the defaults of every request; a request overrides them with max_tokens, temperature, "
                     "seed and the extension object \"refusion\": {slot_size, block_size, ...}.")
     add_model_arguments(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    p.add_argument("--max-batch-size", type=int, default=8,
-                   help="most sequences decoded together in one batched forward (default 8)")
-    p.add_argument("--max-queue", type=int, default=64,
-                   help="most requests waiting for a batch row; more are answered 503 (default 64)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model id clients pass as `model` (default: the --model name, or 'refusion')")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default on CPU: one core fewer than the machine has, leaving one to "
-                        "the HTTP event loop; oversubscribed cores slow every forward down many times)")
-    p.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_SECONDS, metavar="SECONDS",
-                   help="on SIGTERM / Ctrl+C: new requests get 503 and the accepted ones have this long to finish "
-                        f"before they are ended with an error; then the process exits 0 (default {SHUTDOWN_GRACE_SECONDS:g})")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_dataclass_arguments(p, ServeConfig, default=None, special={
+        "log_level": {"choices": LOG_LEVELS},
+        "api_key": {"metavar": "KEY"},
+        "cors_origin": {"action": "append", "metavar": "ORIGIN"},
+        "request_timeout": {"type": float, "metavar": "SECONDS"},
+        "shutdown_grace": {"type": float, "metavar": "SECONDS"},
+        "replica_cpus": {"type": float, "metavar": "CORES"},
+        "replica_gpus": {"type": float, "metavar": "GPUS"},
+    })
     add_decode_arguments(p)
     p.set_defaults(func=run)
+
+
+def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """The ServeConfig of the flags given (the others at the field's default; the API key from the environment
+    when no flag gives it)."""
+    values = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(ServeConfig)}
+    values = {name: value for name, value in values.items() if value is not None}
+    values["cors_origin"] = tuple(values.get("cors_origin", ()))
+    values["api_key"] = api_key_from(values.get("api_key"))
+    return ServeConfig(**values)
 
 
 def served_name(model: str | None) -> str:
@@ -61,31 +64,70 @@ def set_cpu_threads(model, threads: int | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.max_batch_size < 1:
-        raise ValueError(f"--max-batch-size={args.max_batch_size} is invalid: must be >= 1")
-    if args.max_queue < 0:
-        raise ValueError(f"--max-queue={args.max_queue} is invalid: must be >= 0")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads={args.threads} is invalid: must be >= 1")
-    if not 0 <= args.port < 65536:
-        raise ValueError(f"--port={args.port} is invalid: must be in [0, 65535]")
-    if not args.shutdown_grace >= 0:
-        raise ValueError(f"--shutdown-grace={args.shutdown_grace} is invalid: must be >= 0 seconds")
+    settings = serve_config_from_args(args)  # validated before anything loads
     import uvicorn
 
     from refusion.serve.app import create_app
     from refusion.serve.shutdown import FLUSH_SECONDS, GracefulServer
 
     cfg = decode_config_from_args(args)  # validated before the model loads
+    check_device(args.device)
+    show_server_log(settings.log_level)
+    if settings.replicas > 1 or settings.max_replicas is not None:
+        from refusion.serve import replicas
+
+        spec = replicas.LoadSpec(args.model, args.dtype, args.device, args.linear, args.attention, args.compile)
+        return replicas.run(spec, cfg, settings, settings.served_model_name or served_name(args.model))
     model, tokenizer = load_from_args(args)
-    set_cpu_threads(model, args.threads)
-    app = create_app(model, tokenizer, config=cfg, model_name=args.served_model_name or served_name(args.model),
-                     max_batch_size=args.max_batch_size, max_queue=args.max_queue)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    set_cpu_threads(model, settings.threads)
+    app = create_app(model, tokenizer, config=cfg, model_name=settings.served_model_name or served_name(args.model),
+                     max_batch_size=settings.max_batch_size, max_queue=settings.max_queue, api_key=settings.api_key,
+                     cors_origins=settings.cors_origin, request_timeout=settings.request_timeout)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=FLUSH_SECONDS)
-    server = GracefulServer(config, app.state.server.scheduler, grace=args.shutdown_grace)
+    server = GracefulServer(config, app.state.server.scheduler, grace=settings.shutdown_grace)
     server.run()
     return 0 if server.started else 1
+
+
+def check_device(text: str | None) -> None:
+    """A ValueError (one line) for a --device torch does not know or this machine does not have."""
+    if text is None:
+        return
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise ValueError(f"--device={text} is not a device: use cpu, cuda, cuda:N, mps or xpu") from None
+    backend = {"cuda": torch.cuda, "mps": torch.backends.mps, "xpu": getattr(torch, "xpu", None)}
+    if device.type == "cpu":
+        return
+    if device.type not in backend:
+        raise ValueError(f"--device={text} is not supported: use cpu, cuda, cuda:N, mps or xpu")
+    module = backend[device.type]
+    if module is None or not module.is_available():
+        why = "this torch was built without CUDA" if device.type == "cuda" and torch.version.cuda is None \
+            and torch.version.hip is None else f"no {device.type} device is available"
+        raise ValueError(f"--device={text} is not available on this machine: {why} (use --device cpu)")
+    count = module.device_count() if hasattr(module, "device_count") else 1
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"--device={text} is not available on this machine: it has {count} {device.type} "
+                         f"device(s), {device.type}:0 to {device.type}:{count - 1}")
+
+
+def show_server_log(level: str) -> None:
+    """The server's own log lines (start-up, shutdown, faults) on stderr, formatted as uvicorn's."""
+    import logging
+
+    from uvicorn.logging import DefaultFormatter
+
+    log = logging.getLogger("refusion.serve")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
+        log.addHandler(handler)
+    log.setLevel(level.upper())
 
 
 def main(argv: list[str] | None = None) -> int:

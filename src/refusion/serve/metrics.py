@@ -25,6 +25,9 @@ PHASES = ("prefill", "plan", "verify", "complete", "decode")
 REQUEST_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 TOKENS_PER_FORWARD_BUCKETS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0)
+ROUTING_PREFIX = "vllm:"
+"""The gauges routers read (llm-d's endpoint picker, the Gateway API inference extension's model-server
+protocol) go under vLLM's names as well, labelled with `model_name` as vLLM labels them."""
 UNKNOWN_STRATEGY = "unknown"
 """The `strategy` label of a request refused before its settings were read (malformed body, ...)."""
 
@@ -62,13 +65,28 @@ class ServerMetrics(SchedulerObserver):
         self.tokens_per_forward = Histogram(
             f"{p}tokens_per_forward", "Per finished sequence: generated tokens / forwards it took part in",
             registry=r, buckets=TOKENS_PER_FORWARD_BUCKETS)
+        self.kv_cache_usage = Gauge(f"{p}kv_cache_usage_ratio", "Tokens held in the KV cache by the running "
+                                    "sequences / what the server holds at most (max_batch_size x context length)",
+                                    registry=r)
         for phase in PHASES:
             self.forwards.labels(phase)
 
-    def watch(self, queue_depth: Callable[[], int], batch_size: Callable[[], int]) -> None:
-        """Read the two gauges from the scheduler at scrape time."""
+    def watch(self, queue_depth: Callable[[], int], batch_size: Callable[[], int],
+              kv_cache_usage: Callable[[], float], model_name: str) -> None:
+        """Read the gauges from the scheduler at scrape time, under refusion's names and vLLM's (`ROUTING_PREFIX`)."""
         self.queue_depth.set_function(queue_depth)
         self.batch_size.set_function(batch_size)
+        self.kv_cache_usage.set_function(kv_cache_usage)
+        v, r = ROUTING_PREFIX, self.registry
+        aliases = {f"{v}num_requests_waiting": ("Sequences waiting for a batch row (= refusion_queue_depth)",
+                                                queue_depth),
+                   f"{v}num_requests_running": ("Sequences in the running batch (= refusion_batch_size)", batch_size),
+                   f"{v}kv_cache_usage_perc": ("KV-cache usage, 0 to 1 (= refusion_kv_cache_usage_ratio)",
+                                               kv_cache_usage),
+                   f"{v}gpu_cache_usage_perc": ("KV-cache usage, 0 to 1 (= refusion_kv_cache_usage_ratio; vLLM's "
+                                                "name before v0.10)", kv_cache_usage)}
+        for name, (description, read) in aliases.items():
+            Gauge(name, description, ["model_name"], registry=r).labels(model_name).set_function(read)
 
     def exposition(self) -> bytes:
         """The registry in the text exposition format."""

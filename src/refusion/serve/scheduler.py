@@ -300,6 +300,11 @@ class Scheduler:
             self._paused = False
             self._cond.notify_all()
 
+    def held_tokens(self) -> int:
+        """Tokens the running sequences hold in the KV cache: their prompts and the response tokens committed in
+        order so far (read from any thread; an estimate between two steps)."""
+        return sum(len(job.prompt) + job.tokens for job in list(self.live))
+
     def status(self) -> dict:
         return {"running": self.running, "draining": self._draining, "live": len(self.live), "waiting": len(self.waiting),
                 "max_batch_size": self.max_batch_size, "max_queue": self.max_queue, **self.counters}
