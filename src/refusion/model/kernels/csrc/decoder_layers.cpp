@@ -1,7 +1,7 @@
 // The decoder layers of a compact forward (refusion/model/compact.py) as one C++ call: the products through the
 // same ATen kernels as the Python layer loop, and the operations between them either as the same ATen calls or as
 // fused passes that give every element the same operations and roundings ("fused kernels" below), without the
-// interpreter between them. Loaded by refusion/model/native.py, which documents what it runs and when; each
+// interpreter between them. Loaded by refusion/model/kernels/native.py, which documents what it runs and when; each
 // function below names the Python it mirrors. A change to either side must keep the two bit for bit equal
 // (tests/model/test_native.py).
 
@@ -40,7 +40,7 @@ struct Update {
   Tensor b;      // [r, out] fp32, scaled
 };
 
-// One kernel call over the members' stacked weights (model/fused.py FusedProduct), or a lone linear layer.
+// One kernel call over the members' stacked weights (model/kernels/fused.py FusedProduct), or a lone linear layer.
 struct Product {
   int64_t kind;
   Tensor weight;                // plain weight, packed weight or 4-bit blocks
