@@ -10,6 +10,7 @@ from refusion.decode.costs import (
     ForwardCosts,
     SuccessRate,
     best_draft_count,
+    forward_costs_of,
     fusing_pays,
     measure,
 )
