@@ -4,8 +4,8 @@ A few choices need a clock: whether weight-major or MKL-packed products beat pla
 kernel of a model without native bf16: `kernels.choice`), and what a forward of each width costs (how many drafts
 the exact mode verifies, so how many forwards a decode takes: `decode.costs`). Timed at every start, they followed
 how busy the machine happened to be: the same command could take another kernel, and another number of forwards,
-from one process to the next. So each is measured once and recorded in `calibration.json` in the model cache
-directory (`build_cache.cache_root()`), under a key of everything that decides it: the CPU (model name and flags),
+from one process to the next. So each is measured once and recorded in `calibration.json` beside the model cache
+(`~/.cache/refusion/calibration.json`, or under `$REFUSION_CACHE`), under a key of everything that decides it: the CPU (model name and flags),
 torch's version, the thread count, and what is measured (the model's shapes, dtype and kernels). Every later
 process reads the recorded decision; `refusion calibrate` measures again. The dtype itself is never timed: it
 follows the CPU's features (`loading.default_dtype`).
@@ -30,7 +30,7 @@ from pathlib import Path
 from refusion.model import build_cache
 
 RECORD_FILE = "calibration.json"
-"""The record's file name, in `build_cache.cache_root()`."""
+"""The record's file name, beside the models' directory (`build_cache.cache_root()`: ~/.cache/refusion/)."""
 FORMAT = 1
 """Bump when what is recorded changes meaning, so that older records are measured again."""
 
@@ -73,7 +73,7 @@ class ForwardCosts:
 def record_path() -> Path | None:
     """Where the record lives; None when the model cache is off."""
     root = build_cache.cache_root()
-    return root / RECORD_FILE if root is not None else None
+    return root.parent / RECORD_FILE if root is not None else None
 
 
 def machine_key() -> dict:

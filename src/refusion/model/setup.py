@@ -15,6 +15,7 @@ they give. Decoding such a model in the exact mode where `prepare` would have ma
 
 from __future__ import annotations
 
+import logging
 import warnings
 import weakref
 from dataclasses import dataclass, replace
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from refusion.model.compact import CompactForward
 
 _ATTRIBUTE = "refusion_setup"
+_log = logging.getLogger("refusion")
 
 
 class WeakerPromise(UserWarning):
@@ -197,6 +199,7 @@ def prepare(model, tokenizer=None, *, directory: str | Path | None = None, linea
         row_exact=forwards_row_exact(model, linear_kernel, attention) and not compile,
         compact_forward=compact_forward(model), recorded_costs=True,
         compiled=compile_model(model) if compile else None)
+    _log.info("prepared: %s (%s)", setup.describe(), reason)
     return attach_setup(model, setup)
 
 
