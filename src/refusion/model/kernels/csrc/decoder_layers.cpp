@@ -21,7 +21,7 @@ using at::Tensor;
 
 namespace {
 
-// kinds of product (native.py KINDS)
+// kinds of product (registry.py: LinearKernel.native_code)
 constexpr int64_t kPlain = 0;   // F.linear on the weight as it is
 constexpr int64_t kPacked = 1;  // row_exact.PackedLinear: the oneDNN-packed bf16 weight, chunks of exact rows
 constexpr int64_t kInt4 = 2;    // int4.Int4Linear: the 4-bit blocks
