@@ -114,11 +114,15 @@ def test_calibrate_measures_again_and_says_what_is_in_force(cache, tiny_model_di
     assert any(name.startswith("forward_costs-") for name in record["entries"])
 
 
-def test_describe_names_the_dtype_and_kernels(tiny_model_dir):
+def test_describe_and_the_stats_name_the_dtype_and_kernels(tiny_model_dir, capsys):
     import refusion
 
     model, _ = refusion.load(tiny_model_dir, dtype="float32", device="cpu")
     assert setup_of(model).describe().startswith("float32, linear ")
+    assert main(["generate", "hi", "--model", tiny_model_dir, "--dtype", "float32", "--max-new-tokens", "4",
+                 "--stats", "--no-chat"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"[{setup_of(model).describe()}]" and lines[-1].startswith("[refusion | tokens ")
 
 
 def _busy_loop() -> None:
