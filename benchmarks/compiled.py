@@ -24,8 +24,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from refusion.config import layered_config
-from refusion.decode.compiled import compile_model
 from refusion.decode.loop import generate
+from refusion.model.compiled import compile_model
 from refusion.model.embedded import default_decode_settings
 from refusion.model.loading import encode_prompts, load
 from refusion.model.setup import setup_of

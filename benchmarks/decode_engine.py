@@ -27,7 +27,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import refusion
 from refusion.decode.costs import measure
-from refusion.model.setup import LINEAR_KERNELS, choose_linear_kernel, plain_setup
+from refusion.model.kernels.choice import choose_linear_kernel
+from refusion.model.kernels.registry import LINEAR_CHOICES as LINEAR_KERNELS
+from refusion.model.setup import plain_setup
 
 
 def build_model(dtype: torch.dtype, seed: int = 0):

@@ -36,7 +36,13 @@ import json
 import time
 from pathlib import Path
 
-from refusion.decode.costs import AcceptanceByDepth, ForwardCosts, best_draft_count, expected_tokens
+from refusion.decode.costs import (
+    AcceptanceByDepth,
+    ForwardCosts,
+    best_draft_count,
+    expected_tokens,
+    forward_costs_of,
+)
 from refusion.decode.speculate import lookup_drafts, runner_up_drafts
 from refusion.model.draft_table import DraftTable, answers_with_openings
 from refusion.model.embedded import PRESET_NAME
@@ -132,7 +138,7 @@ def main() -> None:
     model, tokenizer = refusion.load()
     setup = refusion.setup_of(model)
     preset = refusion.DecodeConfig.from_preset(PRESET_NAME)
-    costs = costs or setup.forward_costs
+    costs = costs or forward_costs_of(model, setup)
     if args.flat_costs or costs is None:
         costs = ForwardCosts((1, 2), (1.0, 1.0))
     shipped = setup.draft_table

@@ -31,7 +31,7 @@ from linear_kernels import prompt_groups
 from refusion.config import DecodeConfig, IgnoredSetting
 from refusion.decode.loop import generate
 from refusion.model.embedded import default_decode_settings
-from refusion.model.gated_lora import mask_rows_of
+from refusion.model.kernels.gated_lora import mask_rows_of
 from refusion.model.loading import encode_prompts, load
 
 ATEN = "aten"

@@ -37,7 +37,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 import refusion
 from refusion.config import IgnoredSetting
 from refusion.decode.cache import cache_keyword
-from refusion.decode.compiled import compile_model
+from refusion.model.compiled import compile_model
 from refusion.model.setup import setup_of
 
 CONFIGS = {

@@ -58,7 +58,7 @@ from refusion.open_ended import open_ended_prompts
 MODES = {
     "ar": lambda setup, model: setup,
     "exact": lambda setup, model: setup,
-    "exact_every_draft": lambda setup, model: setup.replace(forward_costs=None),  # no cost-aware cut of the drafts
+    "exact_every_draft": lambda setup, model: setup.replace(forward_costs=None, recorded_costs=False),  # no cut
     "exact_costs_without_context": lambda setup, model: setup.replace(  # the cut priced as before 2026-11-27
         forward_costs=measure(model, setup.replace(compact=False), context=0)),
     "ar_transformers": lambda setup, model: setup.replace(compact=False),  # transformers' forward, not CompactForward

@@ -28,8 +28,8 @@ from refusion.config import DecodeConfig, IgnoredSetting, preset
 from refusion.data import boxed_prompt, default_data_dir, read_jsonl
 from refusion.decode.cache import cache_keyword
 from refusion.decode.loop import generate
+from refusion.model.kernels.narrow import NarrowLinear, row_padding, weight_major_row_times
 from refusion.model.loading import encode_prompts, load
-from refusion.model.narrow import NarrowLinear, row_padding, weight_major_row_times
 
 Kinds = dict[str, tuple[type, tuple[int, ...]]]
 """Each kind of linear layer compared: its class and its row padding."""

@@ -1,5 +1,5 @@
-"""The package's import graph: no cycle between modules (function-level imports included), no arrow from decoding
-into training, and `refusion --help` without torch."""
+"""The package's import graph: no cycle between modules (function-level imports included), no arrow that runs back
+up the layers (`LAYERS`), and `refusion --help` without torch."""
 
 from __future__ import annotations
 
@@ -75,6 +75,54 @@ def test_the_import_graph_has_no_cycle():
 
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+LAYERS = (
+    ("foundation", ("refusion.config", "refusion.cpu", "refusion.data", "refusion.open_ended")),
+    ("model", ("refusion.model",)),
+    ("decode", ("refusion.decode",)),
+    ("viz", ("refusion.viz",)),
+    ("api", ("refusion",)),
+    ("train", ("refusion.train",)),
+    ("eval", ("refusion.eval",)),
+    ("serve", ("refusion.serve",)),
+    ("commands", ("refusion.cli", "refusion.__main__", "refusion.arguments", "*.cli")),
+)
+"""The package's layers, lowest first: a module may import its own layer and the layers below it, never one above
+(function-level imports count). A module belongs to the last layer one of whose prefixes it matches ("*.cli": every
+package's command-line module, a front end that may call any layer): the model and its kernels know nothing of
+decoding; decoding knows nothing of training, evaluation or serving."""
+
+
+def layer_of(module: str) -> int:
+    found = None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if prefix == "*.cli":
+                hit = module.endswith(".cli")
+            else:
+                hit = module == prefix or module.startswith(prefix + ".") and prefix != "refusion"
+            if hit:
+                found = i
+    if found is None:
+        raise AssertionError(f"{module} is in no layer of LAYERS: add it to one")
+    return found
+
+
+def upward_arrows(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from a module to a module of a higher layer."""
+    return sorted(f"{m} ({LAYERS[layer_of(m)][0]}) -> {t} ({LAYERS[layer_of(t)][0]})"
+                  for m, targets in graph.items() for t in targets if layer_of(t) > layer_of(m))
+
+
+def test_no_import_runs_back_up_the_layers():
+    assert upward_arrows(import_graph()) == []
+
+
+def test_the_layer_check_finds_an_arrow_up():
+    graph = {"refusion.model.setup": {"refusion.decode.costs"}, "refusion.decode.costs": {"refusion.model.setup"}}
+    assert upward_arrows(graph) == ["refusion.model.setup (model) -> refusion.decode.costs (decode)"]
+    assert layer_of("refusion.model.cli") == layer_of("refusion.cli") and layer_of("refusion") == 4
 
 
 def test_decoding_does_not_import_training():

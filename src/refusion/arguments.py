@@ -21,7 +21,7 @@ from refusion.config import (
     parse_value,
     value_type,
 )
-from refusion.model.setup import LINEAR_KERNELS
+from refusion.model.kernels.registry import LINEAR_CHOICES
 
 
 def add_dataclass_arguments(parser: argparse.ArgumentParser, cls, *, exclude=(), special: dict | None = None,
@@ -81,11 +81,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="HF directory, .gguf file, hub id, or 'smollm2' (default: the embedded model)")
     parser.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 on a GPU that has "
                                                       "it and on a CPU with native bf16 (AMX, AVX512-BF16) "
-                                                      "measured faster, where rows are computed exactly; "
-                                                      "else fp32 on the CPU)")
+                                                      "where rows are computed exactly; else fp32 on the CPU)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    parser.add_argument("--linear", default="auto", choices=LINEAR_KERNELS,
-                        help="linear kernel: auto (chosen by measurement on this machine) or pinned: plain, packed "
+    parser.add_argument("--linear", default="auto", choices=LINEAR_CHOICES,
+                        help="linear kernel: auto (by the CPU's features; where they do not decide, by probes timed "
+                             "once per machine and recorded: `refusion calibrate`) or pinned: plain, packed "
                              "(bf16 on a CPU with native bf16, row-exact), narrow (weight-major few-token products), sgemm "
                              "(fp32 weights packed once for MKL, F.linear's bits), int4 "
                              "(a GGUF model's 4-bit blocks multiplied directly, bf16 CPU: faster, rounds "

@@ -84,7 +84,7 @@ def one_line_warnings(command: str):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "loads_model", False):  # before torch starts: decode on the cores other processes leave free
+    if getattr(args, "loads_model", False):  # before torch starts: the same thread count in every process
         choose_cpu_threads()
     quiet_libraries()
     previous, warnings.showwarning = warnings.showwarning, one_line_warnings(args.command)

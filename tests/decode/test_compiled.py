@@ -1,4 +1,4 @@
-"""Compiled forwards (`refusion.decode.compiled`): the same tokens as eager decoding, over a few graphs.
+"""Compiled forwards (`refusion.model.compiled`): the same tokens as eager decoding, over a few graphs.
 
 The default suite traces with torch.compile's "aot_eager" backend (the graphs inductor would compile, run by eager
 kernels: seconds); the slow test compiles with inductor itself. tests/decode/test_cuda.py replays them as CUDA
@@ -14,14 +14,14 @@ from torch._dynamo.utils import counters
 
 import refusion
 from refusion.cli import main
-from refusion.decode.compiled import (
+from refusion.decode.reference import reference_generate
+from refusion.model.compiled import (
     CAPACITY_STEP,
     WIDTH_BUCKETS,
     bucket_width,
     compile_model,
     static_capacity,
 )
-from refusion.decode.reference import reference_generate
 from refusion.model.setup import setup_of
 from refusion.model.tiny import TINY_MASK_ID, tiny_model
 

@@ -10,6 +10,7 @@ from refusion.decode.costs import (
     ForwardCosts,
     SuccessRate,
     best_draft_count,
+    forward_costs_of,
     fusing_pays,
     measure,
 )
@@ -71,7 +72,10 @@ def test_measured_costs_are_one_per_probed_width_and_never_fall_with_width():
     costs = measure(model, plain_setup(model), widths=(1, 4, 16), repeats=2)
     assert costs.widths == (1, 4, 16) and len(costs.seconds) == 3
     assert all(a <= b for a, b in zip(costs.seconds, costs.seconds[1:])) and costs.seconds[0] > 0
-    assert prepare(tiny_model("llama")).forward_costs is not None  # prepare measures them
+    prepared = tiny_model("llama")
+    setup = prepare(prepared)  # prepare times nothing: the decoder reads the record (measured once)
+    assert setup.forward_costs is None and setup.recorded_costs
+    assert forward_costs_of(prepared, setup) is not None
 
 
 def test_a_forward_the_machine_slowed_does_not_price_the_width(monkeypatch):
@@ -134,7 +138,7 @@ def test_the_probe_times_decoding_forwards_after_a_cached_context(monkeypatch):
 
 def test_a_plain_model_measures_nothing():
     model = tiny_model("qwen3", dtype=torch.float64)
-    assert plain_setup(model).forward_costs is None
+    assert plain_setup(model).forward_costs is None and forward_costs_of(model, plain_setup(model)) is None
 
 
 def test_fused_planning_rides_only_where_its_width_pays():

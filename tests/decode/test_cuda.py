@@ -10,8 +10,8 @@ import torch
 
 import refusion
 from refusion.decode.cache import CHECK_ENV
-from refusion.decode.compiled import compile_model
 from refusion.decode.reference import reference_generate
+from refusion.model.compiled import compile_model
 from refusion.model.setup import setup_of
 from refusion.model.tiny import TINY_MASK_ID, tiny_model
 

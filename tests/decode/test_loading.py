@@ -122,8 +122,8 @@ def test_the_embedded_preset_in_a_batch_is_ar_decoding_of_each_request_alone():
 
 def test_the_cpu_default_is_row_exact_bf16_where_the_cpu_has_it_else_fp32():
     """On the CPU the exact mode is AR decoding token for token in fp32, and bit for bit in row-exact bf16
-    (refusion.model.row_exact); load picks the latter where this CPU has it, and uses it."""
-    from refusion.model import row_exact
+    (refusion.model.kernels.row_exact); load picks the latter where this CPU has it, and uses it."""
+    from refusion.model.kernels import row_exact
     from refusion.model.loading import default_dtype
 
     exact_bf16 = row_exact.packing_available() and row_exact.packed_rows_match()

@@ -143,7 +143,7 @@ def test_an_unwritable_cache_still_loads(adapter_dir, tmp_path, builds, monkeypa
 
 def test_plain_directories_are_not_cached(tiny_model_dir, cache_dir):
     loading.load(tiny_model_dir, dtype="float32", device="cpu")
-    assert not cache_dir.exists()
+    assert not (cache_dir / "models").exists()  # (the calibration record beside it may hold its kernel choice)
 
 
 def test_cache_location(monkeypatch, tmp_path):

@@ -1,4 +1,4 @@
-"""`model.fused`: q/k/v and gate/up as one product each, every member's own bits, following its weights."""
+"""`model.kernels.fused`: q/k/v and gate/up as one product each, every member's own bits, following its weights."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from refusion.model import fused, int4, narrow, row_exact
 from refusion.model.compact import CompactForward, compact_forward
-from refusion.model.gated_lora import MaskGatedLoRA, MaskRows
+from refusion.model.kernels import fused, int4, narrow, row_exact
+from refusion.model.kernels.gated_lora import MaskGatedLoRA, MaskRows
 from refusion.model.tiny import TINY_MASK_ID, tiny_model
 
 from .test_compact import forwards, transformers_run

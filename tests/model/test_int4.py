@@ -11,8 +11,8 @@ from gguf import GGMLQuantizationType, GGUFWriter, quants
 from torch import nn
 
 import refusion
-from refusion.model import int4, row_exact
-from refusion.model.int4 import GROUP, Int4Blocks, Int4Linear
+from refusion.model.kernels import int4, row_exact
+from refusion.model.kernels.int4 import GROUP, Int4Blocks, Int4Linear
 from refusion.model.setup import prepare, setup_of
 from refusion.model.tiny import tiny_model
 

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import refusion
-from refusion.model import narrow
-from refusion.model.narrow import NarrowLinear, plain_linears, use_narrow_linears
+from refusion.model.kernels import narrow
+from refusion.model.kernels.narrow import NarrowLinear, plain_linears, use_narrow_linears
 from refusion.model.tiny import tiny_model
 
 

@@ -1,4 +1,4 @@
-"""`model.native`: the compact forward's layer loop in C++ gives the Python loop's logits bit for bit."""
+"""`model.kernels.native`: the compact forward's layer loop in C++ gives the Python loop's logits bit for bit."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from torch import nn
 
 import refusion
 from refusion.decode.cache import PADDING, SlotCache, attention_mask_dtype
-from refusion.model import extension, fused, gated_lora, row_exact
 from refusion.model.compact import CompactForward, compact_forward
+from refusion.model.kernels import extension, fused, gated_lora, row_exact
 from refusion.model.setup import setup_of
 from refusion.model.tiny import tiny_model
 
@@ -359,10 +359,10 @@ def test_decoders_decode_the_same_tokens_and_forwards_either_way(tiny_model_dir,
 
 
 def test_weight_major_products_padded_as_the_python_layers_do():
-    """fp32 layers multiplying weight-major (`model.narrow`, what a CPU without native bf16 may choose), their
+    """fp32 layers multiplying weight-major (`model.kernels.narrow`, what a CPU without native bf16 may choose), their
     products of 1-3 rows padded to 2-4, wider ones through F.linear: the C++ layers compute what the Python loop
     does, for forwards of many rows and one-token steps."""
-    from refusion.model.narrow import NarrowLinear, use_narrow_linears
+    from refusion.model.kernels.narrow import NarrowLinear, use_narrow_linears
 
     model = exact_model("llama", torch.float32, seed=9, attention="sdpa")
     assert use_narrow_linears(model, force=True, padded_rows=(0, 2, 4, 4)) > 0

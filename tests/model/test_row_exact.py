@@ -9,9 +9,10 @@ import torch
 from torch import nn
 
 import refusion
-from refusion.model import loading, row_exact
-from refusion.model import row_exact as packed
-from refusion.model.row_exact import PackedLinear, use_packed_linears
+from refusion.model import loading
+from refusion.model.kernels import row_exact
+from refusion.model.kernels import row_exact as packed
+from refusion.model.kernels.row_exact import PackedLinear, use_packed_linears
 from refusion.model.tiny import tiny_model
 
 needs_packing = pytest.mark.skipif(not packed.packing_available(),
@@ -121,20 +122,24 @@ def test_load_picks_dtype_and_attention_that_keep_rows_exact(monkeypatch):
     monkeypatch.setattr(loading, "packing_available", lambda: False)
     assert loading.default_dtype(cpu) == torch.float32
     monkeypatch.setattr(loading, "packing_available", lambda: True)
-    monkeypatch.setattr(loading, "packed_bf16_pays", lambda: True)
     monkeypatch.setattr(loading, "packed_rows_match", lambda: False)  # packed, but not exact row by row
     assert loading.default_dtype(cpu) == torch.float32
     monkeypatch.setattr(loading, "packed_rows_match", lambda: True)
     assert loading.default_dtype(cpu) == torch.bfloat16
-    monkeypatch.setattr(loading, "packed_bf16_pays", lambda: False)  # exact, but not faster than fp32 (emulated)
-    assert loading.default_dtype(cpu) == torch.float32
 
 
-def test_bf16_pays_where_packed_products_are_measured_faster(monkeypatch):
-    monkeypatch.setattr(row_exact, "packed_bf16_speedup", lambda: row_exact.MIN_BF16_SPEEDUP)
-    assert row_exact.packed_bf16_pays()
-    monkeypatch.setattr(row_exact, "packed_bf16_speedup", lambda: 1.0)
-    assert not row_exact.packed_bf16_pays()
+def test_the_cpu_dtype_is_decided_without_a_clock(monkeypatch):
+    """The same machine loads the same dtype in every process, however busy: nothing timed decides it."""
+    import time
+
+    def no_clock():
+        raise AssertionError("the dtype choice read a clock")
+
+    monkeypatch.setattr(time, "perf_counter", no_clock)
+    row_exact.exact_rows.cache_clear()
+    row_exact.packing_available.cache_clear()
+    first = loading.default_dtype(torch.device("cpu"))
+    assert all(loading.default_dtype(torch.device("cpu")) == first for _ in range(3))
 
 
 @needs_packing

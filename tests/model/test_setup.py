@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import refusion
-from refusion.model import row_exact
-from refusion.model.narrow import NarrowLinear
+from refusion.model.kernels import row_exact
+from refusion.model.kernels.narrow import NarrowLinear
 from refusion.model.prepare import add_mask_token
 from refusion.model.setup import ModelSetup, plain_setup, prepare, setup_of
 from refusion.model.tiny import TINY_MASK_ID, tiny_model, tiny_tokenizer

@@ -1,4 +1,4 @@
-"""`model.sgemm`: fp32 products by MKL's packed weights give F.linear's bits at every row count, in the Python
+"""`model.kernels.sgemm`: fp32 products by MKL's packed weights give F.linear's bits at every row count, in the Python
 layers and in the C++ ones, and decoding with them gives the tokens of plain products."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import refusion
-from refusion.model import sgemm
 from refusion.model.compact import CompactForward, compact_forward
+from refusion.model.kernels import sgemm
+from refusion.model.kernels.sgemm import EXACT, INEXACT, NOT_PROBED, SgemmLinear, use_sgemm_linears
 from refusion.model.setup import setup_of
-from refusion.model.sgemm import EXACT, INEXACT, NOT_PROBED, SgemmLinear, use_sgemm_linears
 from refusion.model.tiny import tiny_model
 
 from .test_compact import new_cache

@@ -231,8 +231,8 @@ def test_mask_gated_adapter_keeps_the_base_ar_path_and_drafts_with_the_adapter(t
         from peft import PeftModel
 
         from refusion.model.adapter import gate_lora_at_masks
-        from refusion.model.gated_lora import MaskGatedLoRA
-        from refusion.model.narrow import MAX_ROWS
+        from refusion.model.kernels.gated_lora import MaskGatedLoRA
+        from refusion.model.kernels.narrow import MAX_ROWS
         from refusion.model.prepare import add_mask_token
 
         trained_base, trained_tokenizer = refusion.load(tiny_dir, dtype="float32", device="cpu")

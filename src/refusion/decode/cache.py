@@ -23,7 +23,7 @@ at position q also needs q - p < w to read an entry at position p (transformers'
 the bag is not in text order). One window for every layer gives one mask; layers of several kinds give a dict
 of masks keyed by layer type, which is how transformers models with `config.layer_types` take them.
 
-Fixed shapes (`static=True`, what a compiled forward needs: `decode.compiled`): the KV buffers are allocated before
+Fixed shapes (`static=True`, what a compiled forward needs: `model.compiled`): the KV buffers are allocated before
 the first forward, a forward writes its new entries at the columns the cache reserved for it (a small index tensor,
 not a Python slice), every layer attends over the whole buffer, and the mask always covers it (unused columns are
 EMPTY, so invisible). The shapes of a forward then depend on its batch size, its width and the capacity alone, and
@@ -307,7 +307,7 @@ class SlotCache:
     def native_storage(self, kv_heads: int, head_dim: int,
                        dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor], int] | None:
         """(keys, values, start) for a forward that writes its KV entries itself, as `write` would (the native
-        decoder layers, `model.native`): layer i's entries for the forward's T new tokens go to
+        decoder layers, `model.kernels.native`): layer i's entries for the forward's T new tokens go to
         keys[i][:, :, start:start + T] (values alike) and the layer attends over [:, :, :start + T]. Storage not
         allocated yet is allocated as `write` allocates it (layers writing `dtype` entries). None for a static
         cache (its reserved columns are an index, not a slice)."""

@@ -89,6 +89,9 @@ def run(args: argparse.Namespace) -> int:
         from refusion.viz.schema import build_trace, save_trace
         doc = build_trace(out, tokenizer, prompts, input_ids, cfg, model=args.model or "(embedded)")
         save_trace(doc, args.trace)
+    if args.stats and not args.json:  # the numbers in force: dtype and kernels (the same on every run of a machine)
+        from refusion.model.setup import setup_of
+        print(f"[{setup_of(model).describe()}]")
     for i, (prompt, tokens) in enumerate(zip(prompts, out.sequences)):
         text = tokenizer.decode(tokens, skip_special_tokens=True)
         stats = out.stats.per_sequence[i]

@@ -6,8 +6,10 @@ cost about the same for 1 and 16 rows, the int4 kernel computes row by row (a 16
 model costs ~2x a one-row one), and a GPU should pay little for it (not measured yet). So the number of drafts
 a round verifies is chosen from two measurements:
 
-* `ForwardCosts`: seconds of a batch-1 decoding forward of each width after a cached context, timed once on the
-  loaded model (`measure`, called by `refusion.prepare`);
+* `ForwardCosts`: seconds of a batch-1 decoding forward of each width after a cached context, timed once per
+  machine and model (`measure`) and recorded (`model.calibration`): every later process reads the record
+  (`forward_costs_of`, called by the decoder), so the draft counts, and with them the forward counts, are the
+  same in every process however busy the machine is;
 * `AcceptanceByDepth`: per sequence and draft source, how often a draft at depth i was accepted once the drafts
   before it were (a Beta(1, 1) prior: 1/2 before anything is seen).
 
@@ -30,9 +32,13 @@ authors' reference script*), while where width is nearly free (a GPU) it still d
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
+
+from refusion.model import calibration
+from refusion.model.calibration import ForwardCosts
 
 PROBE_WIDTHS = (1, 4, 8, 16, 32, 64)
 """Forward widths `measure` times; other widths are interpolated (linearly, and beyond the last one extrapolated).
@@ -54,26 +60,39 @@ MAX_PROBE_SECONDS = 0.25
 weights, so width is nearly free: no cut)."""
 
 
-@dataclass(frozen=True)
-class ForwardCosts:
-    """Seconds of a batch-1 forward by width, measured on one loaded model and device."""
+_known: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {its setup's key: costs}, this process
 
-    widths: tuple[int, ...]
-    """The widths timed, increasing, starting at 1."""
-    seconds: tuple[float, ...]
-    """Seconds of a forward of each of those widths (the fastest of the probe's repeats)."""
 
-    def of(self, width: int) -> float:
-        """Seconds of a forward of `width` tokens (interpolated between the measured widths)."""
-        widths, seconds = self.widths, self.seconds
-        for i in range(1, len(widths)):
-            if width <= widths[i] or i == len(widths) - 1:
-                w0, w1, s0, s1 = widths[i - 1], widths[i], seconds[i - 1], seconds[i]
-                return s0 + (s1 - s0) * (width - w0) / (w1 - w0)
-        return seconds[0]
+def forward_costs_of(model, setup) -> ForwardCosts | None:
+    """The forward costs that price the exact mode's drafts for `model` decoded with `setup`: `setup.forward_costs`
+    when set; else, where `setup.recorded_costs`, the costs recorded for this machine and model (measured once, the
+    first time, by `measure`, and recorded: `model.calibration`); else None (every draft is verified)."""
+    if setup.forward_costs is not None or not setup.recorded_costs:
+        return setup.forward_costs
+    known = _known.setdefault(model, {})
+    key = (setup.kernels, setup.compact, setup.adapter_gate)
+    if key not in known:
+        known[key] = recorded_costs(model, setup)
+    return known[key]
 
-    def describe(self) -> str:
-        return ", ".join(f"{w}: {s * 1e3:.1f} ms" for w, s in zip(self.widths, self.seconds))
+
+def recorded_costs(model, setup) -> ForwardCosts | None:
+    """`measure(model, setup)` as recorded for this machine and model (measured and recorded when absent)."""
+    from refusion.model.kernels.extension import native_available
+
+    key = {"model": calibration.structure_key(model), "kernels": [setup.kernels.linear, setup.kernels.attention],
+           "compact": setup.compact, "native": native_available(), "device": str(next(model.parameters()).device),
+           "probe": {"widths": list(PROBE_WIDTHS), "repeats": PROBE_REPEATS, "context": PROBE_CONTEXT}}
+
+    def measured() -> dict | None:
+        costs = measure(model, setup)
+        return costs.to_dict() if costs is not None else None
+
+    value = calibration.recorded("forward_costs", key, measured)
+    try:
+        return ForwardCosts.from_dict(value) if value is not None else None
+    except (KeyError, TypeError, ValueError):  # a hand-edited entry: measured again, this process only
+        return measure(model, setup)
 
 
 @torch.inference_mode()

@@ -13,9 +13,9 @@ import time
 import torch
 
 from refusion.decode.cache import SlotCache, attention_mask_dtype, attention_windows, cache_keyword
-from refusion.decode.compiled import run_compiled, static_capacity
 from refusion.model.compact import Ragged, compact_forward
-from refusion.model.row_exact import cache_dtype
+from refusion.model.compiled import run_compiled, static_capacity
+from refusion.model.kernels.row_exact import cache_dtype
 
 
 def kv_layout(text_config, dtype: torch.dtype) -> tuple[int, int, torch.dtype]:
@@ -32,7 +32,7 @@ class CachedForward:
         """`setup`: the model's `ModelSetup` (its compiled forward, its compact forward and whether to use it)."""
         self.model = model
         self.device = next(model.parameters()).device
-        self.compiled = setup.compiled  # the model's compiled forward (fixed shapes: `decode.compiled`), or None
+        self.compiled = setup.compiled  # the model's compiled forward (fixed shapes: `model.compiled`), or None
         # eager forwards of a supported family skip transformers' per-layer Python (the same bits: `model.compact`)
         self.compact = (compact_forward(model, setup.compact_forward) if setup.compact and self.compiled is None
                         else None)

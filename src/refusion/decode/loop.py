@@ -17,12 +17,13 @@ import torch
 
 from refusion.config import DecodeConfig, layered_config
 from refusion.decode.cache import PADDING
-from refusion.decode.compiled import bucket_width
+from refusion.decode.costs import forward_costs_of
 from refusion.decode.forward import CachedForward
 from refusion.decode.grammar import ResponseGrammar, check_strategy
 from refusion.decode.outputs import BatchStats, GenerationOutput, GenerationStats, RoundTrace
 from refusion.decode.programs import start_program
 from refusion.decode.sequence import Forward, Program, Sequence
+from refusion.model.compiled import bucket_width
 from refusion.model.setup import ModelSetup, check_promise, setup_of
 
 
@@ -71,11 +72,16 @@ class Decoder:
         seq = Sequence(self._next_id, prompt, cfg, mask_token_id=mask_token_id, eos_token_ids=eos_token_ids,
                        cache=self.cache, device=self.device, generator=generator, trace=trace, on_round=on_round,
                        draft_table=self.setup.draft_table, grammar=None if grammar is None else grammar.state(),
-                       forward_costs=self.setup.forward_costs)
+                       forward_costs=self._forward_costs(cfg))
         self._next_id += 1
         program = start_program(seq)
         self.live[seq.id] = Running(seq, program, next(program))
         return seq
+
+    def _forward_costs(self, cfg: DecodeConfig):
+        """What prices a sequence's drafts (`decode.costs.forward_costs_of`: recorded once per machine and model);
+        None in AR decoding, which drafts nothing."""
+        return None if cfg.strategy == "autoregressive" else forward_costs_of(self.model, self.setup)
 
     def cancel(self, seq: Sequence) -> None:
         """Stop decoding a sequence (e.g. its client went away) and free its row (even if its program raises

@@ -72,7 +72,7 @@ def gate_lora_at_masks(peft_model, mask_token_id: int):
     Returns the `MaskRows` the gates read."""
     from peft.tuners.lora import LoraLayer
 
-    from refusion.model.gated_lora import MaskRows
+    from refusion.model.kernels.gated_lora import MaskRows
 
     mask_rows = MaskRows(peft_model, mask_token_id)
 
@@ -97,7 +97,7 @@ def attach_gated_adapter(adapter_dir: str | Path, model, tokenizer):
     from safetensors.torch import load_file
     from torch import nn
 
-    from refusion.model.gated_lora import MaskGatedLoRA, MaskRows
+    from refusion.model.kernels.gated_lora import MaskGatedLoRA, MaskRows
     from refusion.model.prepare import add_mask_token
 
     mask_id = add_mask_token(model, tokenizer)

@@ -1,4 +1,5 @@
-"""Commands that make a model's shipped files: `refusion draft-table` and `refusion export-adapter`."""
+"""Commands about a model's files and this machine: `refusion draft-table`, `refusion export-adapter` and
+`refusion calibrate`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from refusion.model.draft_table import DEFAULT_ORDERS, TABLE_FILE
 def add_parser(subparsers) -> None:
     _add_draft_table_parser(subparsers)
     _add_export_adapter_parser(subparsers)
+    _add_calibrate_parser(subparsers)
 
 
 # --------------------------------------------------------------------------------- draft-table
@@ -71,4 +73,35 @@ def _run_export_adapter(args) -> int:
 
     path = export_adapter(args.source, args.target, dtype=args.dtype, overwrite=args.overwrite, rank=args.rank)
     print(f"refusion export-adapter: wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, {args.dtype})")
+    return 0
+
+
+# --------------------------------------------------------------------------------- calibrate
+def _add_calibrate_parser(subparsers) -> None:
+    from refusion.arguments import add_model_arguments
+
+    parser = subparsers.add_parser(
+        "calibrate", help="measure again what this machine records for a model (kernel probes, forward costs)",
+        description="Time again, on this machine, what refusion measures once per machine and model and records "
+                    "beside the model cache (calibration.json): the linear-kernel probes (CPUs without native "
+                    "bf16) and the forward costs by width that price the exact mode's drafts. Every later process "
+                    "reads the new record. Run it on a quiet machine.")
+    add_model_arguments(parser)
+    parser.set_defaults(func=_run_calibrate)
+
+
+def _run_calibrate(args) -> int:
+    from refusion.arguments import load_from_args
+    from refusion.decode.costs import forward_costs_of
+    from refusion.model import calibration
+    from refusion.model.setup import setup_of
+
+    with calibration.remeasuring():
+        model, _ = load_from_args(args)
+        setup = setup_of(model)
+        costs = forward_costs_of(model, setup)
+    where = calibration.record_path() or "nowhere: the model cache is off (REFUSION_CACHE=off)"
+    print(f"refusion calibrate: {setup.describe()} ({setup.kernels.reason})")
+    print(f"refusion calibrate: forward costs {costs.describe() if costs else 'not priced (a slow forward)'}")
+    print(f"refusion calibrate: recorded in {where}")
     return 0

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from refusion.model.fused import LINEAR_NAMES, FusedProduct, base_of, fused_products
-from refusion.model.native import native_layers
+from refusion.model.kernels.fused import LINEAR_NAMES, FusedProduct, base_of, fused_products
+from refusion.model.kernels.native import native_layers
 
 COMPACT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 """`config.model_type`s whose decoder layers `CompactForward` runs (pre-norm attention and gated MLP, RoPE)."""
@@ -80,8 +80,8 @@ class CompactForward:
     supported model over a `SlotCache` (see the module docstring)."""
 
     def __init__(self, model, fuse: bool = True, native: bool = True):
-        """`fuse`: multiply q/k/v and gate/up by one product each where that is exact (`model.fused`); False: each
-        layer on its own. `native`: run the layer loop in C++ where it applies (`model.native`: the same logits);
+        """`fuse`: multiply q/k/v and gate/up by one product each where that is exact (`model.kernels.fused`); False: each
+        layer on its own. `native`: run the layer loop in C++ where it applies (`model.kernels.native`: the same logits);
         False: always in Python. (benchmarks/linear_kernels.py compares each with the default.)"""
         inner = model.model
         self.embed, self.layers, self.norm, self.rotary = inner.embed_tokens, inner.layers, inner.norm, inner.rotary_emb

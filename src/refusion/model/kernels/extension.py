@@ -1,5 +1,5 @@
 """The C++ extension of refusion (`csrc/decoder_layers.cpp`), built and loaded here for the modules that call it:
-the compact forward's decoder layers (`model.native`) and the mask-gated adapter's updates (`model.gated_lora`).
+the compact forward's decoder layers (`model.kernels.native`) and the mask-gated adapter's updates (`model.kernels.gated_lora`).
 
 It is compiled once per machine, torch version and source (~30 s with g++; `ninja` is a dependency) into torch's
 extension directory (`TORCH_EXTENSIONS_DIR`, else ~/.cache/torch_extensions) and loaded from there afterwards.
@@ -57,3 +57,8 @@ def native_extension():
         warnings.warn(f"refusion: the native decoder layers could not be built ({reason}); decoding runs the "
                       f"Python layer loop (same tokens, slower)", stacklevel=2)
         return None
+
+
+def native_available() -> bool:
+    """Whether the C++ layers run in this process (built or loaded; not turned off by REFUSION_NATIVE=0)."""
+    return native_extension() is not None

@@ -18,7 +18,7 @@ compares them; from then on every layer of that shape multiplies packed at the r
 switched to `SgemmLinear` therefore computes what it computed before, bit for bit, faster: every guarantee of fp32 decoding (docs/DECODING.md,
 Guarantees) holds unchanged.
 
-`prepare` switches fp32 CPU models whose plain products it did not make weight-major (`model.narrow`) where the
+`prepare` switches fp32 CPU models whose plain products it did not make weight-major (`model.kernels.narrow`) where the
 probe also measures the packed product faster (`use_sgemm_linears`); `linear="sgemm"` pins it, `"plain"` keeps
 `F.linear`. The packed copy lives beside the parameter (the state dict and training see the plain weight), is
 rebuilt when the parameter changes, and doubles the weights' memory, so models above `MAX_PACKED_BYTES` are left
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from refusion.model.row_exact import MAX_PACKED_BYTES, packed_copy, speedup
+from refusion.model.kernels.row_exact import MAX_PACKED_BYTES, packed_copy, speedup
 
 MAX_ROWS = 256
 """Products of more rows than this (a long prefill) always take F.linear."""

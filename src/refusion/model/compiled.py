@@ -27,7 +27,7 @@ CAPACITY_STEP = 256
 def compile_model(model, *, backend: str = "inductor", mode: str | None = None):
     """`model` wrapped by `torch.compile` (nothing is compiled until the first call): shapes static, and on a GPU
     replayed as CUDA graphs. `backend`: torch.compile's ("inductor"; "aot_eager" traces without generating code)."""
-    from refusion.model.row_exact import PackedLinear
+    from refusion.model.kernels.row_exact import PackedLinear
 
     for module in model.modules():  # compiled forwards read the packed weights, they do not pack them
         if isinstance(module, PackedLinear):

@@ -16,13 +16,13 @@ in docs/BENCHMARKS.md, Current results: *Native decoder layers*.
 
 It applies to models on the CPU, under inference (no autograd), whose attention is exact attention (the row-exact
 setup, the default where bf16 products are exact) or transformers' sdpa (the fp32 default elsewhere), whose products
-are packed, int4, packed fp32 (`model.sgemm`), weight-major (`model.narrow`) or plain, with a SiLU MLP; anything else
+are packed, int4, packed fp32 (`model.kernels.sgemm`), weight-major (`model.kernels.narrow`) or plain, with a SiLU MLP; anything else
 runs the Python loop (and compiles nothing). The layers read the weights the Python loop would: packed and fused
 weights are rebuilt when a weight is written or replaced, a layer switched to another kernel is followed, and an int4
 layer's changed weight is refused as `Int4Linear` refuses it. The forward releases the GIL, so a server's other
 threads run meanwhile.
 
-The extension is built on first use (`model.extension`: ~30 s with g++, once per machine, torch version and
+The extension is built on first use (`model.kernels.extension`: ~30 s with g++, once per machine, torch version and
 source). Where it cannot be built (no compiler) decoding runs the Python loop with one warning; `REFUSION_NATIVE=0`
 skips it.
 """
@@ -35,17 +35,15 @@ import torch
 from torch import nn
 from transformers.activations import SiLUActivation
 
-from refusion.model.extension import native_extension
-from refusion.model.fused import LINEAR_NAMES, FusedProduct, base_of
-from refusion.model.gated_lora import MaskGatedLoRA, mask_rows_of
-from refusion.model.int4 import GROUP, Int4Linear
-from refusion.model.narrow import MAX_ROWS as NARROW_MAX_ROWS
-from refusion.model.narrow import NarrowLinear
-from refusion.model.row_exact import EXACT_ATTENTION, SOFTMAX_COLUMNS, PackedLinear
-from refusion.model.sgemm import SgemmLinear
+from refusion.model.kernels.extension import native_extension
+from refusion.model.kernels.fused import LINEAR_NAMES, FusedProduct, base_of
+from refusion.model.kernels.gated_lora import MaskGatedLoRA, mask_rows_of
+from refusion.model.kernels.int4 import GROUP
+from refusion.model.kernels.narrow import MAX_ROWS as NARROW_MAX_ROWS
+from refusion.model.kernels.registry import kernel as registered_kernel
+from refusion.model.kernels.registry import kernel_of_layer
+from refusion.model.kernels.row_exact import EXACT_ATTENTION, SOFTMAX_COLUMNS
 
-KINDS = {nn.Linear: 0, PackedLinear: 1, Int4Linear: 2, SgemmLinear: 3, NarrowLinear: 4}
-"""The product kinds the C++ layers compute, by linear layer type (the constants of decoder_layers.cpp)."""
 ATTENTIONS = {EXACT_ATTENTION: 0, "sdpa": 1}
 """The attention implementations the C++ layers compute (the constants of decoder_layers.cpp): exact attention,
 and transformers' sdpa function as it runs on a CPU."""
@@ -115,7 +113,7 @@ class NativeLayers:
                                     q_norm, k_norm, qkv, self._product(attn.o_proj), gate_up,
                                     self._product(mlp.down_proj), attn.head_dim, attn.scaling, self.attention,
                                     attn.num_key_value_groups, SOFTMAX_COLUMNS))
-        self.bf16_only = any(kind in (PackedLinear, Int4Linear) for _, kind in self.kinds)
+        self.bf16_only = any(kernel_of_layer(base).dtypes == ("bfloat16",) for base, _ in self.kinds)
         return ext.Stack(layers, self.sources, self.kinds)
 
     def _watch(self, tensors: dict, name: str) -> torch.Tensor | None:
@@ -144,19 +142,20 @@ class NativeLayers:
         """A lone linear layer (maybe wrapped in a mask-gated adapter) as the C++ layers compute it."""
         base = self._base(member)
         weight, bias = base._parameters["weight"], base._parameters["bias"]
-        kind = KINDS[type(base)]
+        kernel = kernel_of_layer(base)  # the registry's entry: its name, its constant in decoder_layers.cpp
         packed = exact = scales = torch.empty(0)
         rows, low_rows, padded = 0, 0, []  # the row counts of packed (ExactRows) or narrow products
-        if kind == KINDS[SgemmLinear]:
+        if kernel.name == "sgemm":
             packed, exact = base._packed(), base.exact
-        elif kind == KINDS[PackedLinear]:
+        elif kernel.name == "packed":
             weight, rows, low_rows = base._packed(), base.exact_rows.high, base.exact_rows.low
-        elif kind == KINDS[Int4Linear]:
+        elif kernel.name == "int4":
             weight, _, scales = base.blocks()
-        elif kind == KINDS[NarrowLinear]:
+        elif kernel.name == "narrow":
             rows, low_rows, padded = NARROW_MAX_ROWS, base.packed_from, list(base.padded_rows)
             packed = base._packed() if base.packed_from else packed
-        return self.extension.Product(kind, weight, scales, bias, rows, low_rows, GROUP, [base.out_features],
+        return self.extension.Product(kernel.native_code, weight, scales, bias, rows, low_rows, GROUP,
+                                      [base.out_features],
                                       self._updates([(0, member)] if member is not base else []), packed, exact,
                                       padded)
 
@@ -165,7 +164,7 @@ class NativeLayers:
         for member in product.members:
             self._base(member)
         product.refresh()
-        kind = {"packed": KINDS[PackedLinear], "int4": KINDS[Int4Linear], "narrow": KINDS[NarrowLinear]}[product.kind]
+        kind = registered_kernel(product.kind).native_code
         scales = product.scales if product.scales is not None else torch.empty(0)
         if product.kind == "narrow":  # low: the rows from which the packed copy multiplies (0: none)
             rows, low_rows = NARROW_MAX_ROWS, product.packed_from
@@ -197,12 +196,12 @@ def native_layers(compact) -> NativeLayers | None:
 
 def layers_supported(layers: nn.ModuleList) -> bool:
     """Whether every decoder layer has a SiLU MLP, causal attention, and linear layers of the kinds the C++ layers
-    compute (KINDS, maybe wrapped in a mask-gated adapter)."""
+    compute (every registered kernel, maybe wrapped in a mask-gated adapter)."""
     for layer in layers:
         if type(layer.mlp.act_fn) not in SILU or not getattr(layer.self_attn, "is_causal", True):
             return False
         members = [getattr(getattr(layer, block), name) for block, names in LINEAR_NAMES.items() for name in names]
-        if any(type(base_of(m)) not in KINDS for m in members):
+        if any(kernel_of_layer(base_of(m)) is None for m in members):
             return False
     return True
 

@@ -51,13 +51,6 @@ MAX_EXACT_ROWS = 32
 """`exact_rows` looks for exact products of at most this many rows."""
 MIN_EXACT_ROWS = 8
 """bf16 is the CPU default only where products of at least this many rows are exact (`packed_rows_match`)."""
-MIN_BF16_SPEEDUP = 1.25
-"""bf16 is the CPU default only where packed bf16 products are at least this many times faster than fp32 ones
-(`packed_bf16_speedup`; 2.4-2.7x measured on an AVX512-BF16 EPYC)."""
-PROBE_SHAPE = (1024, 2048)
-"""[out, in] of the matrices `packed_bf16_speedup` times (8 MB each in fp32)."""
-PROBE_MATRICES = 8
-"""How many such matrices it streams per pass (64 MB in fp32: more than these CPUs' caches)."""
 ALONE_PROBE_ROWS = 128
 """`exact_rows` compares one-row and two-row products over this many rows of weights up to ALONE_PROBE_BYTES (a
 one-row kernel that rounds a few outputs its own way shows on ~9 % of rows of SmolLM2-135M's down projection on
@@ -175,30 +168,6 @@ def packing_available() -> bool:
         return False
 
 
-@functools.cache
-@torch.no_grad()
-def packed_bf16_speedup(repeats: int = 5) -> float:
-    """How many times faster a one-token product by packed bf16 weights is than the same product in fp32 on this
-    CPU (measured once per process: the fastest of `repeats` passes each, taken in turns, over PROBE_MATRICES
-    matrices too big together for the caches, as a decoding forward streams its weights): whether native bf16
-    pays on this machine's memory and cores."""
-    generator = torch.Generator().manual_seed(0)
-    weights = [torch.empty(PROBE_SHAPE).uniform_(-1, 1, generator=generator) for _ in range(PROBE_MATRICES)]
-    packed = [reorder_weight(w.to(torch.bfloat16)) for w in weights]
-    x = torch.empty(1, PROBE_SHAPE[1]).uniform_(-1, 1, generator=generator)
-    x16 = x.to(torch.bfloat16)
-
-    def fp32_pass() -> None:
-        for weight in weights:
-            F.linear(x, weight)
-
-    def bf16_pass() -> None:
-        for weight in packed:
-            packed_product(x16, weight, None)
-
-    return speedup(fp32_pass, bf16_pass, repeats)
-
-
 def speedup(baseline, candidate, repeats: int) -> float:
     """Seconds of `baseline()` over seconds of `candidate()`: each called once untimed (first calls choose their
     kernels), then both in turns `repeats` times, the fastest call of each counting (the kernel probes' timing)."""
@@ -210,11 +179,6 @@ def speedup(baseline, candidate, repeats: int) -> float:
     baseline(), candidate()
     times = [(seconds(baseline), seconds(candidate)) for _ in range(repeats)]
     return min(t for t, _ in times) / max(min(t for _, t in times), 1e-9)
-
-
-def packed_bf16_pays() -> bool:
-    """Whether packed bf16 products are at least MIN_BF16_SPEEDUP times faster than fp32 here."""
-    return packed_bf16_speedup() >= MIN_BF16_SPEEDUP
 
 
 @functools.cache

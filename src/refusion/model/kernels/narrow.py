@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from refusion.model.row_exact import MAX_PACKED_BYTES, packed_copy, packed_product, reorder_weight
+from refusion.model.kernels.row_exact import MAX_PACKED_BYTES, packed_copy, packed_product, reorder_weight
 
 MAX_ROWS = 32
 """Forwards of up to this many rows (batch x tokens) multiply weight-major; wider ones use F.linear."""
@@ -78,7 +78,7 @@ def narrow_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """x @ weight.T (+ bias) as `NarrowLinear` computes it, for inputs of the weight's dtype: by the packed copy
     (`packed()`) from `packed_from` rows on in eager inference (0: never; compiled forwards keep the products they
     were compiled with), else weight-major for at most MAX_ROWS rows,
-    padded with zero rows to padded_rows[rows]; F.linear otherwise. (A fused narrow product, `model.fused`, calls it
+    padded with zero rows to padded_rows[rows]; F.linear otherwise. (A fused narrow product, `model.kernels.fused`, calls it
     with its members' weights stacked.)"""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if rows == 0 or x.dtype != weight.dtype:

@@ -17,7 +17,7 @@ Fused weights are built on the first call and follow the members: a packed produ
 weight changes (the members drop their own packed copies, which they rebuild if called alone again); the int4
 members' 4-bit weights become row slices of the fused one, stacked from theirs (no second copy; torch packs
 rows in blocks, so this holds where each member's rows fill whole blocks, which the probe checks), and a changed
-weight is refused as `Int4Linear` refuses it. Weight-major narrow products (`model.narrow`, fp32 on CPUs without
+weight is refused as `Int4Linear` refuses it. Weight-major narrow products (`model.kernels.narrow`, fp32 on CPUs without
 native bf16) fuse the same way: the members' weights become row slices of the stacked one (one copy, as for
 int4; a member written in place writes the stacked weight, and a replaced one is stacked again), which the fused
 product multiplies in forwards of at most `narrow.MAX_ROWS` rows, padded as the members pad theirs; wider
@@ -34,12 +34,12 @@ import functools
 import torch
 from torch import nn
 
-from refusion.model.gated_lora import MaskGatedLoRA
-from refusion.model.int4 import GROUP, STALE_BLOCKS, Int4Linear
-from refusion.model.narrow import MAX_ROWS as NARROW_MAX_ROWS
-from refusion.model.narrow import NarrowLinear, narrow_product
-from refusion.model.row_exact import (
-    PackedLinear,
+from refusion.model.kernels.gated_lora import MaskGatedLoRA
+from refusion.model.kernels.int4 import GROUP, STALE_BLOCKS
+from refusion.model.kernels.narrow import MAX_ROWS as NARROW_MAX_ROWS
+from refusion.model.kernels.narrow import narrow_product
+from refusion.model.kernels.registry import kernel_of_layer
+from refusion.model.kernels.row_exact import (
     chunked_product,
     exact_rows,
     packed_product,
@@ -64,8 +64,10 @@ def base_of(layer: nn.Module) -> nn.Module:
 
 
 def kind_of(layer: nn.Module) -> str | None:
-    """"packed", "int4" or "narrow" for the kernels that fuse, else None."""
-    return {PackedLinear: "packed", Int4Linear: "int4", NarrowLinear: "narrow"}.get(type(layer))
+    """The registered kernel of a layer whose products fuse ("packed", "int4" or "narrow": `LinearKernel.fuses`),
+    else None."""
+    kernel = kernel_of_layer(layer)
+    return kernel.name if kernel is not None and kernel.fuses else None
 
 
 class FusedProduct:

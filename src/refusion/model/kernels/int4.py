@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from refusion.model.row_exact import weight_key
+from refusion.model.kernels.row_exact import weight_key
 
 GROUP = 32
 """Weights per block: GGUF's Q4_0 / Q4_1 blocks and the group size the int4 kernel is called with."""
@@ -48,7 +48,7 @@ in the row (rounding the dequantized weight to bf16 moves each value by at most 
 
 STALE_BLOCKS = ("a linear layer's weight changed after it was switched to 4-bit blocks (linear='int4'): load the "
                 "model again to decode with the new weights")
-"""The error of a product by blocks that no longer describe the layer's weight (`Int4Linear`, `model.fused`)."""
+"""The error of a product by blocks that no longer describe the layer's weight (`Int4Linear`, `model.kernels.fused`)."""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 // The decoder layers of a compact forward (refusion/model/compact.py) as one C++ call: the products through the
 // same ATen kernels as the Python layer loop, and the operations between them either as the same ATen calls or as
 // fused passes that give every element the same operations and roundings ("fused kernels" below), without the
-// interpreter between them. Loaded by refusion/model/native.py, which documents what it runs and when; each
+// interpreter between them. Loaded by refusion/model/kernels/native.py, which documents what it runs and when; each
 // function below names the Python it mirrors. A change to either side must keep the two bit for bit equal
 // (tests/model/test_native.py).
 
@@ -21,7 +21,7 @@ using at::Tensor;
 
 namespace {
 
-// kinds of product (native.py KINDS)
+// kinds of product (registry.py: LinearKernel.native_code)
 constexpr int64_t kPlain = 0;   // F.linear on the weight as it is
 constexpr int64_t kPacked = 1;  // row_exact.PackedLinear: the oneDNN-packed bf16 weight, chunks of exact rows
 constexpr int64_t kInt4 = 2;    // int4.Int4Linear: the 4-bit blocks
@@ -40,7 +40,7 @@ struct Update {
   Tensor b;      // [r, out] fp32, scaled
 };
 
-// One kernel call over the members' stacked weights (model/fused.py FusedProduct), or a lone linear layer.
+// One kernel call over the members' stacked weights (model/kernels/fused.py FusedProduct), or a lone linear layer.
 struct Product {
   int64_t kind;
   Tensor weight;                // plain weight, packed weight or 4-bit blocks
