@@ -10,7 +10,7 @@ measured in one run on one device:
   of a step spent outside the model's forwards (the engine's own work), as a fraction and in milliseconds;
 * transformers' `generate` (greedy, eager) and, with `--compile`, with its static cache and `torch.compile`
   (`mode="reduce-overhead"`, CUDA graphs, on a GPU): the AR numbers users would get without refusion;
-* with `--compile`, refusion's modes again with compiled forwards (`refusion.decode.compiled`), per compiler
+* with `--compile`, refusion's modes again with compiled forwards (`refusion.model.compiled`), per compiler
   backend of `--compile-backends` ("inductor": generated kernels, CUDA graphs on a GPU; "cudagraphs": the eager
   kernels replayed as CUDA graphs, compiles in seconds): the first (compiling) decode's seconds, then tokens/s, and
   how many graphs were compiled while timing (0 when the warm-up decode met every shape). `--compile-budget` stops

@@ -82,7 +82,7 @@ def server_cpu_threads():
 
 @pytest.fixture(scope="session")
 def tiny():
-    from refusion.model.extension import native_extension
+    from refusion.model.kernels.extension import native_extension
     from refusion.model.tiny import tiny_model, tiny_tokenizer
 
     native_extension()  # built here on first use (a minute on a busy machine), not inside a server's start deadline
