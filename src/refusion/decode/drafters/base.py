@@ -98,6 +98,11 @@ class Drafter:
         token at `position`: (acceptance length, positions of a chain of masks) each; [] for none."""
         return []
 
+    def rows_gain(self, drafted: int) -> float:
+        """Tokens the rows it adds to a forward verifying `drafted` of its drafts are expected to commit (in the
+        rounds after: what the step's decision weighs against their width)."""
+        return 0.0
+
     def observe(self, verdict: Verdict) -> None:
         """Learn from a verdict (every drafter sees each one, whoever proposed)."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from refusion.decode.costs import AcceptanceByDepth, chances, expected_tokens
 from refusion.decode.drafters.base import DraftContext, Drafter, Proposal, Verdict
 from refusion.decode.infill import accepted_prefix
 from refusion.decode.plan import greedy
@@ -44,6 +45,7 @@ class MaskDrafter(Drafter):
         self.draft_length, self.end, self.predraft, self.threshold = draft_length, end, predraft, threshold
         self.temperature, self.generator, self.device = temperature, generator, device
         self.pending = Drafts.none(device)  # read from the last forward's masks
+        self.acceptance = AcceptanceByDepth()  # of its chains, in this sequence
 
     @staticmethod
     def for_sequence(seq) -> MaskDrafter | None:
@@ -61,14 +63,23 @@ class MaskDrafter(Drafter):
         return torch.arange(after + 1, stop, device=self.device)
 
     def propose(self, context: DraftContext) -> Proposal:
-        return Proposal(self, self.pending)
+        return Proposal(self, self.pending, self.acceptance)
 
     def rows(self, position: int, drafted: int) -> list[tuple[int, torch.Tensor]]:
         lengths = range(drafted, -1, -1) if self.predraft else [drafted]
         return [(length, m) for length in lengths if (m := self.mask_positions(position + length)).numel() > 1]
 
+    def rows_gain(self, drafted: int) -> float:
+        """What its masks draft for the next round is expected to commit there; a single chain of masks (not
+        `predraft`) drafts only when all `drafted` drafts are accepted."""
+        reached = 1.0 if self.predraft or not drafted else chances(drafted, self.acceptance)[-1]
+        return reached * expected_tokens(self.draft_length, self.acceptance)
+
     def observe(self, verdict: Verdict) -> None:
-        logits = verdict.rows if verdict.proposal.drafter is self else None
+        ours = verdict.proposal.drafter is self
+        if ours and (drafted := verdict.proposal.drafts.tokens.numel()):
+            self.acceptance.record(drafted, verdict.accepted)
+        logits = verdict.rows if ours else None
         if logits is None:
             self.pending = Drafts.none(self.device)
             return

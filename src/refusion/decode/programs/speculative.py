@@ -2,9 +2,10 @@
 decoding's, token for token, while a forward can commit several tokens (docs/DECODING.md, "The exact mode").
 
 The drafts come from the sequence's drafters (`decode/drafters/`: prompt lookup, the draft table, the masks), each
-behind one interface; the program is a loop of rounds that asks them for a proposal, cuts it (the room left, the
-grammar, what the drafts are worth at the forward's cost), verifies it (`speculate.accept_drafts`) and tells every
-drafter the verdict. Every forward carries the next token (already decided by the previous forward's AR logits) and
+behind one interface; the program is a loop of rounds that asks them for a proposal, cuts it to the room left and
+the grammar, offers it to the step's decision where forward costs were measured (`DraftOffer`: the loop decides for
+the whole batch how far each sequence drafts, `costs.draft_counts`), verifies what was kept
+(`speculate.accept_drafts`) and tells every drafter the verdict. Every forward carries the next token (already decided by the previous forward's AR logits) and
 the drafts after it (the chain), followed by the rows the proposing drafter adds (chains of masks that draft the
 tokens after the next one), or by a second chain of drafts for the same positions (the draft table's runner-up).
 `DraftingLayout` builds that forward and reads its logits back, so the layout lives in one place.
@@ -16,12 +17,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from refusion.decode.costs import best_draft_count, expected_tokens
+from refusion.decode.costs import AcceptanceByDepth, chances
 from refusion.decode.drafters import DraftContext, Drafter, Proposal, Verdict, drafters_for, propose
 from refusion.decode.logprobs import TokenLogprobs
 from refusion.decode.outputs import RoundTrace, SlotEvent
 from refusion.decode.plan import next_token
-from refusion.decode.sequence import Forward, Program, Sequence, masks, prefill, zeros
+from refusion.decode.sequence import DraftOffer, Forward, Program, Sequence, masks, prefill, zeros
 from refusion.decode.speculate import Drafts, accept_drafts, copied_drafts
 
 
@@ -90,7 +91,7 @@ def speculative_program(seq: Sequence) -> Program:
     The drafts are accepted while they agree with the AR predictions (greedy), or by the speculative-sampling rule
     (temperature > 0); the AR prediction after the last accepted draft is the next forward's first token, so every
     forward commits at least one token. Each round verifies the first proposal of the sequence's drafters that has
-    drafts (`drafters.propose`); every drafter then observes the verdict.
+    drafts (`drafters.propose`), as far as the step's decision takes it; every drafter then observes the verdict.
     """
     cfg, device = seq.cfg, seq.device
     prompt_length = seq.prompt_length
@@ -129,12 +130,15 @@ def speculative_program(seq: Sequence) -> Program:
         room = end - 1 - position
         context = DraftContext(text + [token_id], room, seq.cache.batch_size, vocab_size)
         proposal = verifiable(seq, propose(drafters, context, position, device), room)
+        rows = proposal.drafter.rows(position, proposal.drafts.tokens.numel()) if proposal.drafter else []
+        if seq.forward_costs is not None and (proposal.drafted or proposal.second or rows):
+            # what pays at the step's width, for the whole batch (`costs.draft_counts`)
+            proposal, rows = taken(proposal, rows, (yield draft_offer(proposal, rows)))
         drafts, second = proposal.drafts, list(proposal.second)
         n = drafts.tokens.numel()
         chain = torch.cat([token, drafts.tokens])
         second_tokens = torch.tensor(second, dtype=torch.long, device=device) if second else None
-        branches = proposal.drafter.rows(position, n) if proposal.drafter is not None else []
-        request, layout = DraftingLayout.verify(seq, chain, position, branches, second_tokens)
+        request, layout = DraftingLayout.verify(seq, chain, position, rows, second_tokens)
         logits = yield request
 
         # 3. verify: AR decoding's acceptance of the chain (and of the second chain where the chain's first draft
@@ -196,17 +200,30 @@ def observe(drafters: list[Drafter], verdict: Verdict) -> None:
 
 
 def verifiable(seq: Sequence, proposal: Proposal, room: int) -> Proposal:
-    """The proposal cut to what the round verifies: no drafts past the response's end (`room`), none the grammar
-    forbids after the next token (structured output; the grammar has consumed it), and where the model's forward
-    costs were measured, only as many priced drafts as pay for the wider forward (`costs.best_draft_count`)."""
-    drafts, second = proposal.drafts[:room], proposal.second
+    """The proposal cut to what the round may verify: no drafts past the response's end (`room`) and none the grammar
+    forbids after the next token (structured output; the grammar has consumed it)."""
+    drafts = proposal.drafts[:room]
     if seq.grammar is not None:
         drafts = drafts[: seq.grammar.valid_prefix(list(drafts.ids))]
-    costs, record = seq.forward_costs, proposal.acceptance
-    if costs is not None and record is not None and drafts.tokens.numel():
-        drafts = drafts[: best_draft_count(drafts.tokens.numel(), record, costs, batch=seq.cache.batch_size)]
-    n = drafts.tokens.numel()
-    if second and costs is not None:
-        second = second[: best_draft_count(len(second), proposal.second_acceptance, costs, width=n + 1,
-                                           committed=1 + expected_tokens(n, record))]
-    return replace(proposal, drafts=drafts, second=second)
+    return replace(proposal, drafts=drafts)
+
+
+def draft_offer(proposal: Proposal, rows: list[tuple[int, torch.Tensor]]) -> DraftOffer:
+    """The proposal as the step's decision sees it: each draft of its chain, then each of its second chain (a row
+    each, worth the chance that it and the drafts before it in its chain are accepted, by its drafter's statistics),
+    then the rows its drafter adds (worth what they are expected to draft: `Drafter.rows_gain`)."""
+    n = proposal.drafts.tokens.numel()
+    items = [(1, c) for c in chances(n, proposal.acceptance or AcceptanceByDepth())]
+    items += [(1, c) for c in chances(len(proposal.second), proposal.second_acceptance or AcceptanceByDepth())]
+    if rows:
+        items.append((sum(m.numel() for _, m in rows), proposal.drafter.rows_gain(n)))
+    return DraftOffer(1, tuple(items))
+
+
+def taken(proposal: Proposal, rows: list[tuple[int, torch.Tensor]],
+          count: int) -> tuple[Proposal, list[tuple[int, torch.Tensor]]]:
+    """The proposal and rows cut to the first `count` items of its `draft_offer`."""
+    n = proposal.drafts.tokens.numel()
+    second = proposal.second[: max(0, count - n)]
+    rows = rows if count > n + len(proposal.second) else []
+    return replace(proposal, drafts=proposal.drafts[:count], second=second), rows
