@@ -99,8 +99,8 @@ def speculative_program(seq: Sequence) -> Program:
     drafters = drafters_for(seq)
 
     # 1. prefill: the prompt, and the rows of the drafter that rides on forwards (masks drafting the first round)
-    riding = next((d for d in drafters if d.rows(prompt_length - 1, 0)), None)
-    rows = riding.rows(prompt_length - 1, 0) if riding is not None else []
+    rider = next((d for d in drafters if d.rows(prompt_length - 1, 0)), None)
+    rows = rider.rows(prompt_length - 1, 0) if rider is not None else []
     request, layout = DraftingLayout.prefill(seq, rows[0][1] if rows else torch.empty(0, dtype=torch.long,
                                                                                        device=device))
     logits = yield request
@@ -111,7 +111,7 @@ def speculative_program(seq: Sequence) -> Program:
     token_id = int(token)  # on the host: every later round's comes with its acceptance
     token_logprobs = seq.logprobs_of(layout.chain_logits(logits)[:1], token)  # None unless cfg.logprobs
     vocab_size = logits.shape[-1]
-    observe(drafters, Verdict(Proposal(riding, Drafts.none(device)), 0, rows=layout.draft_logits(logits, 0)))
+    observe(drafters, Verdict(Proposal(rider, Drafts.none(device)), 0, rows=layout.draft_logits(logits, 0)))
     position, phases = prompt_length, {"prefill": 1}  # the first round also accounts for the prefill
     text = seq.prompt.tolist()  # prompt and committed response: what the drafters read
     while True:
@@ -130,15 +130,15 @@ def speculative_program(seq: Sequence) -> Program:
         room = end - 1 - position
         context = DraftContext(text + [token_id], room, seq.cache.batch_size, vocab_size)
         proposal = verifiable(seq, propose(drafters, context, position, device), room)
-        rows = proposal.drafter.rows(position, proposal.drafts.tokens.numel()) if proposal.drafter else []
-        if seq.forward_costs is not None and (proposal.drafted or proposal.second or rows):
+        riding = proposal.drafter.rows(position, proposal.drafts.tokens.numel()) if proposal.drafter else []
+        if seq.forward_costs is not None and (proposal.drafted or proposal.second or riding):
             # what pays at the step's width, for the whole batch (`costs.draft_counts`)
-            proposal, rows = taken(proposal, rows, (yield draft_offer(proposal, rows)))
+            proposal, riding = taken(proposal, riding, (yield draft_offer(proposal, riding)))
         drafts, second = proposal.drafts, list(proposal.second)
         n = drafts.tokens.numel()
         chain = torch.cat([token, drafts.tokens])
         second_tokens = torch.tensor(second, dtype=torch.long, device=device) if second else None
-        request, layout = DraftingLayout.verify(seq, chain, position, rows, second_tokens)
+        request, layout = DraftingLayout.verify(seq, chain, position, riding, second_tokens)
         logits = yield request
 
         # 3. verify: AR decoding's acceptance of the chain (and of the second chain where the chain's first draft
