@@ -13,7 +13,7 @@ does), or by a flat curve (`--flat-costs`: width free, as on a GPU). Policies:
   decoder did before runner-up chains;
 * `runner_up`: what the decoder does: where the chain is the table's, a second chain beside it in the same forward
   (an attention group reading the context and the next token), from the table's runner-up follower of the run
-  (`speculate.runner_up_drafts`), cut by the same cost rule; the longer accepted chain's tokens are committed;
+  (`drafters.table.runner_up_drafts`), cut by the same cost rule; the longer accepted chain's tokens are committed;
 * `choose`: per round, the source whose chain promises more tokens per second by its measured acceptance;
 * `tree`: the chain, plus the table's chain as a second chain where both sources have drafts that differ at
   their first token.
@@ -43,7 +43,8 @@ from refusion.decode.costs import (
     expected_tokens,
     forward_costs_of,
 )
-from refusion.decode.speculate import lookup_drafts, runner_up_drafts
+from refusion.decode.drafters.prompt_lookup import lookup_drafts
+from refusion.decode.drafters.table import runner_up_drafts
 from refusion.model.draft_table import DraftTable, answers_with_openings
 from refusion.model.embedded import PRESET_NAME
 from refusion.train.data import load_training_data, read_json_records, response_eos_id

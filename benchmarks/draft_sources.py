@@ -21,7 +21,7 @@ import itertools
 import json
 import time
 
-from refusion.decode.speculate import text_drafts
+from refusion.decode.drafters import DraftContext, PromptLookup, TableDrafter, propose
 from refusion.model.draft_table import DEFAULT_ORDERS, DraftTable, answers_with_openings
 from refusion.model.loading import load
 from refusion.train.data import load_training_data, response_eos_id
@@ -32,9 +32,11 @@ def replay(prompt: list[int], answer: list[int], table: DraftTable, lookup_lengt
     """(drafted, accepted) of every verify forward of greedy exact decoding of `answer` (the prefill decides
     its first token)."""
     rounds, position = [], 0  # answer[position]: the token the last forward decided
+    drafters = [d for d, length in ((PromptLookup(lookup_length), lookup_length),
+                                    (TableDrafter(table, table_length, runner_up=False), table_length)) if length]
     while position < len(answer) - 1:
         text = prompt + answer[: position + 1]
-        drafts, _ = text_drafts(text, lookup_length, table_length, table)
+        drafts = list(propose(drafters, DraftContext(text, len(answer) - 1 - position), position, "cpu").drafts.ids)
         accepted = 0
         for token, truth in zip(drafts, answer[position + 1:]):
             if token != truth:

@@ -10,6 +10,8 @@ from refusion.decode.costs import (
     ForwardCosts,
     SuccessRate,
     best_draft_count,
+    chances,
+    draft_counts,
     forward_costs_of,
     fusing_pays,
     measure,
@@ -55,16 +57,18 @@ def test_the_best_draft_count_maximizes_expected_tokens_per_second():
     assert best_draft_count(2, sure, costs) == 2  # no more than there are
 
 
-def test_in_a_batch_the_draft_count_prices_every_sequences_rows():
+def test_in_a_batch_the_step_prices_every_sequences_rows():
     """Forwards whose first rows are nearly free (the weights' bytes) and whose rows cost compute beyond 4: alone, a
     sequence verifies its three sure drafts (4 rows); four sequences doing so make a 16-row forward, where the drafts
-    cost more than they give, so in a batch of 4 each verifies none."""
+    cost more than they give, so in a step of 4 each verifies none."""
     sure = AcceptanceByDepth()
     for _ in range(50):
         sure.record(drafted=3, accepted=3)
     costs = ForwardCosts((1, 4, 16, 64), (1.0, 1.1, 5.0, 20.0))
     assert best_draft_count(3, sure, costs) == 3  # 3.9 tokens for 1.1: alone
-    assert best_draft_count(3, sure, costs, batch=4) == 0  # 3.9 tokens for 5.0 / 1.1 of the batch's one-token step
+    offer = tuple((1, c) for c in chances(3, sure))
+    assert draft_counts([offer], rows=1, tokens=1, costs=costs) == [3]
+    assert draft_counts([offer] * 4, rows=4, tokens=4, costs=costs) == [0] * 4  # 15.5 tokens for 5.0 / 4 for 1.1
 
 
 def test_measured_costs_are_one_per_probed_width_and_never_fall_with_width():

@@ -47,7 +47,7 @@ def test_a_draft_threshold_never_changes_the_output(draft_threshold):
 
 
 def test_prompt_lookup_copies_what_followed_the_latest_earlier_occurrence():
-    from refusion.decode.speculate import lookup_drafts
+    from refusion.decode.drafters.prompt_lookup import lookup_drafts
 
     text = [1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7, 2, 3, 4]
     assert lookup_drafts(text, 2) == [6, 7]  # "2 3 4" occurred twice: the latest one wins
@@ -95,7 +95,8 @@ def test_unconfident_drafts_are_not_verified():
 def test_the_draft_cut_reads_the_distribution_not_the_drawn_token():
     """At temperature > 0 the cut must not depend on which token was drawn (that would bias the sampler):
     a drawn token of low probability is kept when its distribution peaks above the threshold."""
-    from refusion.decode.speculate import Drafts, confident_drafts
+    from refusion.decode.drafters.masks import confident_drafts
+    from refusion.decode.speculate import Drafts
 
     probs = torch.tensor([[0.8, 0.1, 0.1], [0.2, 0.3, 0.5], [0.9, 0.05, 0.05]])
     drawn = Drafts(torch.tensor([1, 2, 0]), probs)  # the first draft drew a token of probability 0.1

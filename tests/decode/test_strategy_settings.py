@@ -21,17 +21,20 @@ from refusion.config import (
 )
 from refusion.model.tiny import tiny_model
 
-PROGRAMS = Path(refusion.__file__).parent / "decode" / "programs"
-PROGRAM_OF = {"refusion": "plan_and_infill.py", "speculative": "speculative.py", "autoregressive": "autoregressive.py"}
+DECODE = Path(refusion.__file__).parent / "decode"
+PROGRAM_OF = {"refusion": ["programs/plan_and_infill.py"],
+              "speculative": ["programs/speculative.py", *(f"drafters/{p.name}" for p in (DECODE / "drafters").glob("*.py"))],
+              "autoregressive": ["programs/autoregressive.py"]}
+"""The modules of each strategy's program (the exact mode's drafters read its drafting fields)."""
 CHANGED = {"slot_size": 2, "block_size": 16, "slot_threshold": 0.5, "token_threshold": 0.1, "fused_plan": False,
            "kv_cache": "recompute", "draft_length": 2, "draft_threshold": 0.3, "lookup_length": 4,
            "table_length": 4, "predraft": True}
 
 
-def cfg_fields_read(path: Path) -> set[str]:
-    """The DecodeConfig fields a program module reads (`cfg.<field>` / `seq.cfg.<field>`)."""
+def cfg_fields_read(modules: list[str]) -> set[str]:
+    """The DecodeConfig fields program modules read (`cfg.<field>` / `seq.cfg.<field>`)."""
     fields = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in (n for m in modules for n in ast.walk(ast.parse((DECODE / m).read_text()))):
         if isinstance(node, ast.Attribute) and isinstance(node.value, (ast.Name, ast.Attribute)):
             owner = node.value.id if isinstance(node.value, ast.Name) else node.value.attr
             if owner == "cfg":
@@ -42,7 +45,7 @@ def cfg_fields_read(path: Path) -> set[str]:
 def test_each_strategy_s_fields_are_read_by_its_program_and_no_other():
     for strategy, fields in STRATEGY_FIELDS.items():
         for other, module in PROGRAM_OF.items():
-            read = cfg_fields_read(PROGRAMS / module) & set(fields)
+            read = cfg_fields_read(module) & set(fields)
             if other == strategy:
                 assert read, (strategy, module)
             else:

@@ -1,21 +1,24 @@
 """What a wider forward costs, and how many drafts are worth verifying at that price.
 
-The exact mode verifies a chain of drafted tokens in one forward. Every accepted draft saves a forward, but every
-draft also widens the forward, and what width costs depends on the kernels: packed bf16 products on an AMX CPU
-cost about the same for 1 and 16 rows, the int4 kernel computes row by row (a 16-row forward of the embedded
-model costs ~2x a one-row one), and a GPU should pay little for it (not measured yet). So the number of drafts
-a round verifies is chosen from two measurements:
+The exact mode verifies chains of drafted tokens. Every accepted draft saves a forward, but every draft also widens
+the forward, and what width costs depends on the kernels: packed bf16 products on an AMX CPU cost about the same for
+1 and 16 rows, the int4 kernel computes row by row (a 16-row forward of the embedded model costs ~2x a one-row one),
+and a GPU should pay little for it (not measured yet). So how far each sequence drafts is chosen from two
+measurements:
 
 * `ForwardCosts`: seconds of a batch-1 decoding forward of each width after a cached context, timed once per
   machine and model (`measure`) and recorded (`model.calibration`): every later process reads the record
   (`forward_costs_of`, called by the decoder), so the draft counts, and with them the forward counts, are the
   same in every process however busy the machine is;
-* `AcceptanceByDepth`: per sequence and draft source, how often a draft at depth i was accepted once the drafts
-  before it were (a Beta(1, 1) prior: 1/2 before anything is seen).
+* `AcceptanceByDepth`: per sequence and drafter (each drafter keeps its own: `decode/drafters/`), how often a draft at
+  depth i was accepted once the drafts before it were (a Beta(1, 1) prior: 1/2 before anything is seen).
 
-`best_draft_count` then takes the count n that maximizes the expected tokens committed per second,
-(1 + sum over i <= n of the chance that the first i drafts are accepted) / cost(n + 1). Verifying fewer drafts
-never changes what is committed (the exact mode commits AR decoding's tokens whatever it drafts), only how fast.
+`draft_counts` decides once per step, for every sequence of the batch together, which drafts the step's forward
+verifies: those that maximize the batch's expected committed tokens per second of that forward, its width counted
+over every sequence's rows; where none pays, every sequence takes a plain AR step. For one sequence with one chain it
+gives `best_draft_count`'s count n, the one that maximizes (1 + sum over i <= n of the chance that the first i drafts
+are accepted) / cost(n + 1). Verifying fewer drafts never changes what is committed (the exact mode commits AR
+decoding's tokens whatever it drafts), only how fast.
 
 Fused planning trades the same way: the next round's plan rides on a forward that may end this round, which
 saves the plan's own forward only when the round commits everything it selected. `fusing_pays` appends it when
@@ -198,30 +201,69 @@ def fusing_pays(costs: ForwardCosts | None, width: int, plan_width: int, used: S
     return extra < used.value * (own_forward + (batch - 1) * padding) / batch
 
 
+def chances(count: int, acceptance: AcceptanceByDepth) -> list[float]:
+    """For i = 1 .. count, the chance that the first i drafts of a chain are all accepted: what verifying the i-th
+    adds to the tokens a forward is expected to commit."""
+    out, chance = [], 1.0
+    for depth in range(1, count + 1):
+        chance *= acceptance.rate(depth)
+        out.append(chance)
+    return out
+
+
 def expected_tokens(count: int, acceptance: AcceptanceByDepth) -> float:
     """Tokens a forward verifying `count` drafts of a chain is expected to commit for them: the sum over i <= count
     of the chance that the first i are accepted."""
-    expected, chance = 0.0, 1.0
-    for depth in range(1, count + 1):
-        chance *= acceptance.rate(depth)
-        expected += chance
-    return expected
+    return sum(chances(count, acceptance))
 
 
 def best_draft_count(available: int, acceptance: AcceptanceByDepth, costs: ForwardCosts, width: int = 1,
-                     batch: int = 1, committed: float = 1.0) -> int:
-    """How many of `available` drafts to verify: the count that maximizes expected committed tokens per second of
-    forward. `width`: the forward's other tokens (the next token: 1). `batch`: the sequences sharing the forward,
-    each counted as verifying as many (a forward of batch * (width + n) rows, as `fusing_pays` counts them): where
-    a batch's rows cost compute, its sequences verify fewer drafts than one decoded alone. `committed`: the tokens
-    the forward is expected to commit without these drafts (the next token: 1; with a first chain beside them, its
-    tokens too)."""
-    best, best_rate = 0, committed / costs.of(batch * width)
+                     committed: float = 1.0) -> int:
+    """How many of `available` drafts to verify in a forward of one sequence: the count that maximizes expected
+    committed tokens per second of forward. `width`: the forward's other tokens (the next token: 1). `committed`: the
+    tokens the forward is expected to commit without these drafts (the next token: 1; with a first chain beside them,
+    its tokens too). A batch's steps decide with `draft_counts`."""
+    best, best_rate = 0, committed / costs.of(width)
     expected, chance = committed, 1.0  # plus each draft times its chance
     for n in range(1, available + 1):
         chance *= acceptance.rate(n)
         expected += chance
-        rate = expected / costs.of(batch * (width + n))
+        rate = expected / costs.of(width + n)
         if rate > best_rate:
             best, best_rate = n, rate
     return best
+
+
+def draft_counts(offers: list[tuple[tuple[int, float], ...]], rows: int, tokens: float,
+                 costs: ForwardCosts) -> list[int]:
+    """How many items of each sequence's offer one step's forward verifies: the choice with the most expected
+    committed tokens per second of that forward.
+
+    The forward holds `rows` rows whatever is drafted (every sequence's next token, prefills, plans) and commits
+    `tokens` for certain (one per sequence). Item j of an offer (`sequence.DraftOffer`) adds its rows and, in
+    expectation, its gain in committed tokens (a draft: the chance that it and every draft before it are accepted,
+    from its drafter's statistics); an item is taken only with the items before it. The rule: merge each offer's
+    items into blocks whose gain per row does not grow along the offer (a block is taken whole), order every
+    sequence's blocks by gain per row, and take the prefix of that order that maximizes
+    (tokens + its gains) / cost(rows + its rows); the empty prefix (plain AR for every sequence) unless a longer one
+    is strictly better. One sequence with one chain gets `best_draft_count`'s answer."""
+    blocks = []  # (gain per row, sequence, items, rows, gain)
+    for index, items in enumerate(offers):
+        hull: list[list] = []  # [items, rows, gain] with non-increasing gain per row
+        for item_rows, gain in items:
+            hull.append([1, item_rows, gain])
+            while len(hull) > 1 and hull[-1][2] * hull[-2][1] > hull[-2][2] * hull[-1][1]:
+                count, block_rows, block_gain = hull.pop()
+                hull[-1] = [hull[-1][0] + count, hull[-1][1] + block_rows, hull[-1][2] + block_gain]
+        blocks += [(gain / max(block_rows, 1), index, count, block_rows, gain) for count, block_rows, gain in hull]
+    blocks.sort(key=lambda b: -b[0])  # stable: an offer's blocks keep their order
+    best, best_rate, added_rows, added_gain = 0, tokens / costs.of(rows), 0, 0.0
+    for taken, (_, _, _, block_rows, gain) in enumerate(blocks, 1):
+        added_rows, added_gain = added_rows + block_rows, added_gain + gain
+        rate = (tokens + added_gain) / costs.of(rows + added_rows)
+        if rate > best_rate:
+            best, best_rate = taken, rate
+    counts = [0] * len(offers)
+    for _, index, count, _, _ in blocks[:best]:
+        counts[index] += count
+    return counts

@@ -17,12 +17,12 @@ import torch
 
 from refusion.config import DecodeConfig, layered_config
 from refusion.decode.cache import PADDING
-from refusion.decode.costs import forward_costs_of
+from refusion.decode.costs import draft_counts, forward_costs_of
 from refusion.decode.forward import CachedForward
 from refusion.decode.grammar import ResponseGrammar, check_strategy
 from refusion.decode.outputs import BatchStats, GenerationOutput, GenerationStats, RoundTrace
 from refusion.decode.programs import start_program
-from refusion.decode.sequence import Forward, Program, Sequence
+from refusion.decode.sequence import DraftOffer, Forward, Program, Sequence
 from refusion.model.compiled import bucket_width
 from refusion.model.setup import ModelSetup, check_promise, setup_of
 
@@ -33,11 +33,11 @@ class PromptTooLong(ValueError):
 
 @dataclass
 class Running:
-    """A live sequence, its program, and the forward the program asked for."""
+    """A live sequence, its program, and the forward the program asked for (or the drafts it offers for it)."""
 
     seq: Sequence
     program: Program
-    request: Forward
+    request: Forward | DraftOffer
 
 
 class Decoder:
@@ -100,10 +100,13 @@ class Decoder:
         A sequence whose program raises leaves the batch (its row is freed) and is handed to
         `on_error(sequence, exception)` while the others go on; without `on_error` the exception propagates.
         """
+        finished, failed = [], []
+        self.settle_offers(failed, raising=on_error is None)
         order = sorted(self.live, key=self.cache.row_of.get)
+        if not order:
+            return self.drop_failed(failed, on_error)
         requests = [self.live[i].request for i in order]
         logits = self.forward(requests)
-        finished, failed = [], []
         for seq_id, seq_logits in zip(order, logits):
             running = self.live[seq_id]
             seq = running.seq
@@ -121,12 +124,38 @@ class Decoder:
             seq.finished = True
             seq.stats.seconds = time.perf_counter() - seq.started
         self.stats.tokens += sum(seq.stats.tokens for seq in finished)
+        self.cache.remove_sequences([s.id for s in finished])
+        self.drop_failed(failed, on_error)
+        return finished
+
+    def settle_offers(self, failed: list[tuple[Sequence, Exception]], raising: bool) -> None:
+        """The step's decision: the programs that offered drafts (`DraftOffer`) are sent how many of their items the
+        step's forward verifies (`costs.draft_counts`, over every live sequence's rows) and yield their forwards. A
+        program that raises leaves the batch into `failed` (`raising`: its exception propagates)."""
+        offering = [r for r in self.live.values() if isinstance(r.request, DraftOffer)]
+        if not offering:
+            return
+        rows = sum(r.request.width if isinstance(r.request, DraftOffer) else r.request.tokens.numel()
+                   for r in self.live.values())
+        costs = offering[0].seq.forward_costs  # a program offers only where its costs are known: the decoder's own
+        counts = draft_counts([r.request.items for r in offering], rows, len(self.live), costs)
+        for running, count in zip(offering, counts):
+            try:
+                running.request = running.program.send(count)
+            except Exception as e:
+                if raising:
+                    raise
+                failed.append((running.seq, e))
+                del self.live[running.seq.id]
+
+    def drop_failed(self, failed: list[tuple[Sequence, Exception]], on_error) -> list[Sequence]:
+        """Free the rows of the sequences whose programs raised and hand each to `on_error`; [] (none finished)."""
         for seq, _ in failed:
-            del self.live[seq.id]
-        self.cache.remove_sequences([s.id for s in finished] + [s.id for s, _ in failed])
+            self.live.pop(seq.id, None)
+        self.cache.remove_sequences([s.id for s, _ in failed])
         for seq, e in failed:
             on_error(seq, e)
-        return finished
+        return []
 
     def run(self) -> None:
         """Step until every sequence has finished."""

@@ -3,7 +3,8 @@ shares.
 
 A program (`refusion.decode.programs`) is a generator. Each time it needs the model it yields a `Forward` (its new
 tokens, their position ids and groups) and receives the logits of those tokens; the batching loop (`loop.py`) runs
-the forwards of every live sequence of a batch together. Between forwards a program commits, retains or discards
+the forwards of every live sequence of a batch together. Before a forward, the exact mode's program may yield a
+`DraftOffer` instead, and receives how many of its drafts the step verifies. Between forwards a program commits, retains or discards
 its pending KV entries through `Sequence`, which owns its row of the `SlotCache`.
 """
 
@@ -55,7 +56,22 @@ class Forward:
         return self.tokens.numel() - self.logits_from
 
 
-Program = Generator[Forward, torch.Tensor, None]
+@dataclass(frozen=True)
+class DraftOffer:
+    """What a sequence could verify in the next forward, before the step decides how much of it pays
+    (`costs.draft_counts`): the program yields it, is sent how many of its items the step takes, and yields its
+    `Forward`."""
+
+    width: int
+    """Tokens the sequence's forward holds whatever it drafts (the next token: 1)."""
+    items: tuple[tuple[int, float], ...]
+    """(rows, expected committed tokens) each item adds, in the order they are taken (an item only with the items
+    before it)."""
+
+
+Program = Generator[Forward | DraftOffer, torch.Tensor | int, None]
+"""A decoding program: yields the forwards it needs (and, in the exact mode, the drafts it offers), is sent each
+forward's logits (and each offer's count)."""
 
 
 class Sequence:

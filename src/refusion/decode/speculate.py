@@ -1,4 +1,5 @@
-"""The exact mode's draft and acceptance steps: masked drafts, accepted by the model's own AR predictions.
+"""The exact mode's verification: drafts (`Drafts`, from any drafter of `decode/drafters/`), accepted by the model's
+own AR predictions (`accept_drafts`).
 
 Pure functions on small tensors; `programs/speculative.py` strings them together. Greedy decoding
 accepts a draft while it equals the AR argmax; at temperature > 0 the speculative-sampling rule (accept x
@@ -13,9 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from refusion.decode.infill import accepted_prefix
 from refusion.decode.plan import greedy
-from refusion.model.draft_table import DraftTable
 
 
 @dataclass(frozen=True)
@@ -48,54 +47,6 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return torch.multinomial(flat, 1, generator=generator).view(*probs.shape[:-1], 1)
 
 
-def draft_tokens_from_masks(mask_logits: torch.Tensor, temperature: float,
-                            generator: torch.Generator | None) -> Drafts:
-    """[d, V] logits at masked positions -> drafts: argmax at temperature 0, else samples of softmax(l / T)."""
-    if temperature <= 0:
-        return Drafts(greedy(mask_logits), None)
-    probs = torch.softmax(mask_logits.float() / temperature, -1)
-    return Drafts(sample(probs, generator).squeeze(-1), probs)
-
-
-LOOKUP_MATCHES = (3, 2)
-"""Lengths of the text's last tokens that prompt lookup searches for, longest first."""
-
-
-def lookup_drafts(text: list[int], length: int) -> list[int]:
-    """Prompt lookup: the (up to) `length` tokens that followed the latest earlier occurrence of the text's last
-    3 tokens (else 2) in the text itself (prompt and response so far); [] when they did not occur."""
-    for n in LOOKUP_MATCHES:
-        if len(text) <= n:
-            continue
-        tail = text[-n:]
-        for start in range(len(text) - n - 1, -1, -1):
-            if text[start: start + n] == tail:
-                return text[start + n: start + n + length]
-    return []
-
-
-def text_drafts(text: list[int], lookup_length: int, table_length: int,
-                table: DraftTable | None) -> tuple[list[int], str]:
-    """The drafts copied for the text so far and their source: prompt lookup's (up to `lookup_length`), "lookup",
-    first, else the draft table's (up to `table_length`), "table"; ([], "") when neither has any (a length of 0
-    turns its source off)."""
-    copied = lookup_drafts(text, lookup_length) if lookup_length else []
-    if copied:
-        return copied, "lookup"
-    if table_length and table is not None:
-        copied = table.drafts(text, table_length)
-    return copied, "table" if copied else ""
-
-
-def runner_up_drafts(text: list[int], table: DraftTable | None, length: int) -> list[int]:
-    """A second chain from the draft table, verified beside its first one in the same forward: the token that
-    second most often followed the run the table's chain starts from, then what the table says follows it (up to
-    `length` tokens); [] when that run had no other follower. It starts where the first chain's first draft
-    stands, so at most one of the two is accepted past that point."""
-    second = table.runner_up(text) if table is not None and length else None
-    return [] if second is None else [second, *table.drafts([*text, second], length - 1)]
-
-
 def copied_drafts(tokens: list[int], vocab_size: int, temperature: float, device) -> Drafts:
     """Drafts copied from the text: drawn with certainty, so at temperature > 0 their draft distribution is
     one-hot (accepted with probability p(x), resampled from p without x otherwise: still exact)."""
@@ -103,16 +54,6 @@ def copied_drafts(tokens: list[int], vocab_size: int, temperature: float, device
     if temperature <= 0:
         return Drafts(ids, None, tuple(tokens))
     return Drafts(ids, torch.nn.functional.one_hot(ids, vocab_size).float(), tuple(tokens))
-
-
-def confident_drafts(drafts: Drafts, mask_logits: torch.Tensor, threshold: float) -> Drafts:
-    """The drafts before the first mask whose draft distribution peaks below `threshold` ([d, V] mask_logits:
-    the logits they were drafted from). Verifying fewer drafts never changes what is committed, only how fast;
-    the cut depends on the distributions, not on the tokens drawn from them, so sampling stays exact."""
-    if threshold <= 0 or drafts.tokens.numel() == 0:
-        return drafts
-    probs = drafts.probs if drafts.probs is not None else torch.softmax(mask_logits.float(), -1)
-    return drafts[: int(accepted_prefix(probs.amax(-1) >= threshold).sum())]
 
 
 class Acceptance(NamedTuple):

@@ -15,7 +15,7 @@ tokens as the last resort, each drafted more per forward than without them on re
 Drafts from the table are verified like copied ones (`speculate.copied_drafts`): AR decoding still decides
 every token, so the table never changes the output, only how many tokens a forward commits. Each run also keeps
 its runner-up, the token that second most often followed it, where it had one: the exact mode verifies a chain
-from it beside the table's own in the same forward (`speculate.runner_up_drafts`), so a round whose first draft
+from it beside the table's own in the same forward (`decode.drafters.table.runner_up_drafts`), so a round whose first draft
 is wrong can still commit more than one token.
 
 Shipped next to a model as `draft_table.safetensors` (`refusion.load` puts it in the model's `ModelSetup`,
