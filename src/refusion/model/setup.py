@@ -78,6 +78,11 @@ class ModelSetup:
     draft_table: DraftTable | None = None
     """The exact mode's n-gram drafts (`DecodeConfig.table_length`), found beside the model; None when none ships."""
 
+    preset: str | None = None
+    """The decoding preset made for this model (a `refusion.config.PRESETS` name: "refusion-smol" for the embedded
+    model, `model.embedded.preset_for`), which `generate` decodes with when given no config; None: the
+    `DecodeConfig` defaults."""
+
     adapter_gate: str = "none"
     """"mask" when a mask-gated adapter is attached (it acts only at `<|mask|>` rows, so clean-token logits are
     the base's own), else "none"."""
@@ -167,6 +172,7 @@ def prepare(model, tokenizer=None, *, directory: str | Path | None = None, linea
     from refusion.decode.compiled import compile_model
     from refusion.decode.costs import measure
     from refusion.model.compact import compact_forward
+    from refusion.model.embedded import preset_for
 
     check_linear(linear)
     if not isinstance(compile, bool):
@@ -184,7 +190,7 @@ def prepare(model, tokenizer=None, *, directory: str | Path | None = None, linea
         model.generation_config.eos_token_id = eos[0] if len(eos) == 1 else list(eos)
     setup = ModelSetup(
         special_tokens=tokens, kernels=Kernels(linear_kernel, attention, reason), draft_table=table,
-        adapter_gate=_adapter_gate_of(model), row_exact=_is_row_exact(model, linear_kernel, attention) and not compile,
+        preset=preset_for(directory), adapter_gate=_adapter_gate_of(model), row_exact=_is_row_exact(model, linear_kernel, attention) and not compile,
         compact_forward=compact_forward(model))
     costs = measure(model, setup)  # through the eager decoding forward (a compiled one would compile every width)
     return attach_setup(model, setup.replace(forward_costs=costs,
