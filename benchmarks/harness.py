@@ -60,8 +60,9 @@ def decode(engine: Engine, prompt: list[int]) -> Decoded:
 
     if engine.switch is not None:
         engine.switch()
+    with_setup = {"setup": engine.setup} if engine.setup is not None else {}  # an earlier commit's may take none
     start = time.perf_counter()
-    out = refusion.generate(engine.model, [prompt], engine.config, setup=engine.setup)
+    out = refusion.generate(engine.model, [prompt], engine.config, **with_setup)
     return Decoded(out.sequences[0], out.stats.per_sequence[0], time.perf_counter() - start)
 
 
@@ -101,7 +102,8 @@ def decode_batches(model, prompts: Sequence[list[int]], config, batch: int, setu
     sequences = []
     start = time.perf_counter()
     for i in range(0, len(prompts), batch):
-        out = refusion.generate(model, list(prompts[i:i + batch]), config, setup=setup)
+        out = refusion.generate(model, list(prompts[i:i + batch]), config,
+                                **({"setup": setup} if setup is not None else {}))
         sequences += out.sequences
         tokens += out.stats.batch.tokens
         forwards += out.stats.batch.forwards
