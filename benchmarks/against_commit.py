@@ -33,6 +33,8 @@ def decode_group(prompts: list[str], max_new_tokens: int, dtype: str | None) -> 
     API both trees have)."""
     import warnings
 
+    from harness import Engine, decode_interleaved, warm_up
+
     import refusion
     from refusion.config import layered_config
     from refusion.model.embedded import default_decode_settings_or_none
@@ -43,17 +45,12 @@ def decode_group(prompts: list[str], max_new_tokens: int, dtype: str | None) -> 
     settings = default_decode_settings_or_none()
     configs = {"ar": layered_config(settings, {"max_new_tokens": max_new_tokens, "strategy": "autoregressive"}),
                "preset": layered_config(settings, {"max_new_tokens": max_new_tokens})}
-    warm = encode_prompts(tokenizer, "Hi")
-    for cfg in configs.values():
-        refusion.generate(model, warm, cfg.replace(max_new_tokens=8))
-    rows = []
-    for text in prompts:
-        ids = encode_prompts(tokenizer, text)
-        for mode, cfg in configs.items():
-            out = refusion.generate(model, ids, cfg)
-            s = out.stats.per_sequence[0]
-            rows.append({"mode": mode, "tokens": s.tokens, "seconds": s.seconds, "forwards": s.forwards,
-                         "sequence": out.sequences[0]})
+    engines = [Engine(mode, model, cfg) for mode, cfg in configs.items()]
+    warm_up(engines, encode_prompts(tokenizer, "Hi")[0])
+    decodes = decode_interleaved(engines, [encode_prompts(tokenizer, text)[0] for text in prompts])
+    rows = [{"mode": mode, "tokens": mine[i].stats.tokens, "seconds": mine[i].stats.seconds,
+             "forwards": mine[i].stats.forwards, "sequence": mine[i].sequence}
+            for i in range(len(prompts)) for mode, mine in decodes.items()]  # prompt by prompt, as decoded
     rows.append({"dtype": str(next(model.parameters()).dtype)})
     return rows
 
@@ -106,6 +103,7 @@ def main() -> None:
         return
     if args.then is None or not (Path(args.then) / "src" / "refusion").is_dir():
         parser.error("--then must be a checkout of refusion (git worktree add DIR COMMIT)")
+    from harness import emit
     from linear_kernels import prompt_groups
 
     trees = {"then": Path(args.then).resolve(), "now": NOW}
@@ -127,10 +125,9 @@ def main() -> None:
               + "  ".join(f"{k} {v}" for k, v in entry.items() if k not in ("tokens", "seconds", "tokens_per_second")))
     commit = subprocess.run(["git", "-C", str(trees["then"]), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
-    print(json.dumps({"benchmark": "against_commit", "then": commit, "dtypes": dtypes, "per_group": args.per_group,
-                      "max_new_tokens": args.max_new_tokens, "machine": platform.machine(), "summary": summary,
-                      "time": time.strftime("%Y-%m-%dT%H:%M:%S")}))
-
+    emit({"benchmark": "against_commit", "then": commit, "dtypes": dtypes, "per_group": args.per_group,
+          "max_new_tokens": args.max_new_tokens, "machine": platform.machine(), "summary": summary,
+          "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
 if __name__ == "__main__":
     main()

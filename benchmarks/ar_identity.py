@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import refusion
 from refusion.eval.runner import EvalSettings, evaluate
+from refusion.jsonl import read_jsonl
 
 
 def ar_samples(path: str | None, args: argparse.Namespace, tasks: list[str], samples_path: str) -> dict:
@@ -23,7 +23,7 @@ def ar_samples(path: str | None, args: argparse.Namespace, tasks: list[str], sam
     settings = EvalSettings(tasks=tasks, strategies=["autoregressive"], limit=args.limit,
                             batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, progress=False)
     document = evaluate(model, tokenizer, settings, samples_path=samples_path)
-    samples = [json.loads(line) for line in Path(samples_path).read_text(encoding="utf-8").splitlines()]
+    samples = read_jsonl(samples_path)
     return {"document": document, "samples": {(s["task"], s["id"]): s for s in samples}}
 
 

@@ -14,25 +14,12 @@ promise, in a batch as alone). Ends with one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import time
 
-import torch
+from harness import conditions, decode_batches, emit
 from linear_kernels import prompt_groups
 
 import refusion
 from refusion.model.embedded import PRESET_NAME
-
-
-def decode(model, prompts: list[list[int]], cfg, batch: int) -> tuple[float, int, list]:
-    """(seconds, tokens, answers) of `prompts` decoded in batches of `batch`."""
-    start, tokens, answers = time.perf_counter(), 0, []
-    for i in range(0, len(prompts), batch):
-        out = refusion.generate(model, prompts[i:i + batch], cfg)
-        tokens += out.stats.batch.tokens
-        answers += out.sequences
-    return time.perf_counter() - start, tokens, answers
 
 
 def main() -> None:
@@ -55,7 +42,8 @@ def main() -> None:
         for name, prompts in groups.items():
             for batch in batches:
                 for mode, cfg in modes.items():
-                    seconds, tokens, answers = decode(model, prompts, cfg, batch)
+                    run = decode_batches(model, prompts, cfg, batch, clock="wall")
+                    seconds, tokens, answers = run["seconds"], run["tokens"], run["sequences"]
                     key = (name, mode, batch)
                     runs[key] = (min(seconds, runs[key][0]) if key in runs else seconds, tokens, answers)
     summary = {}
@@ -72,11 +60,11 @@ def main() -> None:
             row[f"exact_equal_ar_alone/b{batch}"] = f"{same}/{sum(len(groups[g]) for g in names)}"
         summary[name] = row
         print(name, row)
-    print(json.dumps({"benchmark": "batched_modes", "dtype": str(model.dtype), "per_group": args.per_group,
-                      "batch": args.batch, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-                      "threads": torch.get_num_threads(), "machine": platform.machine(), "summary": summary,
-                      "time": time.strftime("%Y-%m-%dT%H:%M:%S")}))
-
+    environment = conditions()
+    emit({"benchmark": "batched_modes", "dtype": str(model.dtype), "per_group": args.per_group,
+          "batch": args.batch, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+          "threads": environment["threads"], "machine": environment["machine"], "summary": summary,
+          "time": environment["time"]})
 
 if __name__ == "__main__":
     main()

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import platform
 import statistics
 import time
 
 import torch
+from harness import decode_batches, emit
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import refusion
@@ -42,22 +42,6 @@ def build_model(dtype: torch.dtype, seed: int = 0):
     with torch.no_grad():  # random init gives near-uniform logits; sharpen so thresholds are crossed both ways
         model.model.norm.weight.mul_(30.0)
     return model
-
-
-def decode_once(model, prompts, cfg, batch: int, setup) -> dict:
-    """Decode `prompts` in batches of `batch` once: totals and the sequences."""
-    tokens = forwards = 0
-    seconds = forward_seconds = 0.0
-    sequences = []
-    for i in range(0, len(prompts), batch):
-        out = refusion.generate(model, prompts[i:i + batch], cfg, setup=setup)
-        sequences += out.sequences
-        tokens += out.stats.batch.tokens
-        forwards += out.stats.batch.forwards
-        seconds += out.stats.batch.seconds
-        forward_seconds += out.stats.batch.forward_seconds
-    return dict(tokens=tokens, forwards=forwards, seconds=seconds, forward_seconds=forward_seconds,
-                sequences=sequences)
 
 
 def best_of(runs: list[dict]) -> dict:
@@ -140,7 +124,7 @@ def main() -> None:
             stand_in = name == "refusion_unfused_transformers"  # the engine before: plain products too
             with plain_products(model) if stand_in else contextlib.nullcontext():
                 for b in batches:
-                    runs[name][b].append(decode_once(model, prompts, cfg, b, setup))
+                    runs[name][b].append(decode_batches(model, prompts, cfg, b, setup))
     results = {}
     for name in modes:
         results[name] = {f"batch_{b}": best_of(runs[name][b]) for b in batches}
@@ -182,7 +166,7 @@ def main() -> None:
               f"{r[f'batch_{args.batch}']['tokens_per_second']:7.1f} tok/s  x{r['batch_speedup']:.2f}  "
               f"outside forwards {100 * r[f'batch_{args.batch}']['outside_forward_fraction']:.1f}% / "
               f"{100 * r[b1]['outside_forward_fraction']:.1f}%")
-    print(json.dumps(summary))
+    emit(summary)
 
 
 if __name__ == "__main__":

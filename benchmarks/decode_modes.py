@@ -15,16 +15,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
-import platform
-import time
 import warnings
 
-import torch
+from harness import Engine, add_rates, conditions, decode_interleaved, emit, identical, pooled, warm_up
 
 from refusion.config import DecodeConfig, IgnoredSetting, preset
-from refusion.decode.loop import generate
-from refusion.decode.outputs import add_counts
 from refusion.eval.tasks import load_examples
 from refusion.model.draft_table import DraftTable
 from refusion.model.loading import encode_prompts, load
@@ -104,36 +99,19 @@ def main() -> None:
         for name in speculative:
             chosen[f"{name}_one_chain"] = chosen[name]
             setups[f"{name}_one_chain"] = setups[name].replace(draft_table=table)
-    for name, cfg in chosen.items():  # warm-up
-        generate(model, prompts[:1], cfg.replace(max_new_tokens=8), setup=setups[name])
+    engines = [Engine(name, model, cfg, setups[name]) for name, cfg in chosen.items()]
+    warm_up(engines, prompts[0])
+    decodes = decode_interleaved(engines, prompts)
 
-    totals = {name: dict(tokens=0, forwards=0, seconds=0.0, identical_to_ar=0, drafted=0, accepted=0)
-              for name in chosen}
-    ar_outputs = []
-    for i, prompt in enumerate(prompts):
-        for name, cfg in chosen.items():
-            out = generate(model, [prompt], cfg, setup=setups[name])
-            s, t = out.stats.per_sequence[0], totals[name]
-            t["tokens"] += s.tokens
-            t["forwards"] += s.forwards
-            t["seconds"] += s.seconds
-            t["drafted"] += s.drafted
-            t["accepted"] += s.accepted
-            add_counts(t.setdefault("phase_forwards", {}), s.phase_forwards)
-            add_counts(t.setdefault("committed_by", {}), s.committed_by)
-            if name == "autoregressive":
-                ar_outputs.append(out.sequences[0])
-                t["identical_to_ar"] += 1
-            elif "autoregressive" in chosen:
-                t["identical_to_ar"] += out.sequences[0] == ar_outputs[i]
-        print(f"prompt {i + 1}/{len(prompts)}", flush=True)
-
+    ar_decodes = decodes.get("autoregressive")
+    totals = {}
+    for name, mine in decodes.items():
+        t = totals[name] = pooled(mine)
+        t["identical_to_ar"] = identical(mine, ar_decodes) if ar_decodes else 0
     ar = totals.get("autoregressive")
     for name, t in totals.items():
-        t["tokens_per_forward"] = t["tokens"] / t["forwards"]
-        t["tokens_per_second"] = t["tokens"] / t["seconds"]
+        add_rates(t, ar)
         if ar:
-            t["speed_vs_ar"] = t["tokens_per_second"] / (ar["tokens"] / ar["seconds"])
             t["forwards_vs_ar"] = t["forwards"] / ar["forwards"]
         if t["drafted"]:
             t["draft_acceptance"] = t["accepted"] / t["drafted"]
@@ -143,14 +121,10 @@ def main() -> None:
     if "refusion_fused" in totals and "refusion_unfused" in totals:
         saved = 1 - totals["refusion_fused"]["forwards"] / totals["refusion_unfused"]["forwards"]
         print(f"fused planning: {100 * saved:.1f} % fewer forwards than unfused")
-    print(json.dumps({"benchmark": "decode_modes", "model": args.model or "refusion-smol",
-                      "dtype": str(next(model.parameters()).dtype), "attn": model.config._attn_implementation,
-                      "task": args.task, "prompts": len(prompts), "skip": args.skip,
-                      "max_new_tokens": args.max_new_tokens, "settings": settings, "tables": args.tables,
-                      "threads": torch.get_num_threads(),
-                      "torch": torch.__version__, "machine": platform.machine(), "results": totals,
-                      "time": time.strftime("%Y-%m-%dT%H:%M:%S")}))
-
+    emit({"benchmark": "decode_modes", "model": args.model or "refusion-smol",
+          "dtype": str(next(model.parameters()).dtype), "attn": model.config._attn_implementation,
+          "task": args.task, "prompts": len(prompts), "skip": args.skip, "max_new_tokens": args.max_new_tokens,
+          "settings": settings, "tables": args.tables, "results": totals, **conditions()})
 
 if __name__ == "__main__":
     main()

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import torch
 
 import refusion
+from refusion.data_files import data_file
+from refusion.jsonl import read_jsonl
 from refusion.model.setup import setup_of
 
 
@@ -47,7 +48,8 @@ def draft_agreement(model, prompts: list[list[int]], answers: list[list[int]], k
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--task-file", default=str(Path(__file__).resolve().parents[2] / "shared/data/gsm8k/test.jsonl"))
+    parser.add_argument("--task-file", default=None, help="a GSM8K-format JSONL file (default: GSM8K test, found "
+                        "as `refusion eval` finds it)")
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--slot-size", type=int, default=4)
     parser.add_argument("--cuts", type=int, default=8)
@@ -56,7 +58,7 @@ def main() -> None:
     args = parser.parse_args()
 
     model, tokenizer = refusion.load(args.model, dtype=args.dtype, device="cpu")
-    rows = [json.loads(line) for line in Path(args.task_file).read_text().splitlines()[: args.prompts]]
+    rows = read_jsonl(args.task_file or data_file("gsm8k/test.jsonl"))[: args.prompts]
     from refusion.eval.tasks import BOXED_INSTRUCTION
 
     prompts = refusion.encode_prompts(tokenizer, [f"{r['question']}\n{BOXED_INSTRUCTION}" for r in rows])

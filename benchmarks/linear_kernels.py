@@ -36,18 +36,15 @@ It runs with `--no-repack`: on an AMX Xeon its weight repacking crashed (segment
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import re
 import subprocess
-import time
 from pathlib import Path
 
 import torch
+from harness import Engine, conditions, decode_interleaved, emit, warm_up
 
 from refusion.config import layered_config
 from refusion.decode.costs import measure
-from refusion.decode.loop import generate
 from refusion.eval.tasks import load_examples
 from refusion.model.compact import CompactForward
 from refusion.model.embedded import default_decode_settings
@@ -146,33 +143,34 @@ def main() -> None:
 
     setups = {(kernel, mode): MODES[mode](setup_of(model), model) for kernel, (model, _) in models.items()
               for mode in configs}  # built once: their forwards keep their weights from prompt to prompt
-    for (kernel, mode), setup in setups.items():  # warm-up (and the fused weights built)
-        model = models[kernel][0]
-        generate(model, encode_prompts(tokenizer, "Hi"), configs[mode].replace(max_new_tokens=8), setup=setup)
+    decoders = [Engine(f"{kernel}/{mode}", models[kernel][0], configs[mode], setups[kernel, mode])
+                for kernel, mode in setups]  # the first kernel decodes first
+    warm_up(decoders, encode_prompts(tokenizer, "Hi")[0])  # (and the fused weights built)
     rows = []
     first = kernels[0]
     for group, texts in groups.items():
-        for i, text in enumerate(texts):
-            ids = encode_prompts(tokenizer, text)
-            outputs = {}
-            for kernel, (model, _) in models.items():
-                for mode, cfg in configs.items():
-                    out = generate(model, ids, cfg, setup=setups[kernel, mode])
-                    s, engine = out.stats.per_sequence[0], f"{kernel}/{mode}"
-                    outputs[engine] = out.sequences[0]
-                    row = {"group": group, "prompt": i, "engine": engine, "tokens": s.tokens, "seconds": s.seconds,
-                           "forwards": s.forwards}
-                    # the first kernel decodes first, and each kernel's AR first
-                    row["identical_to_first_kernel"] = outputs[engine] == outputs[f"{first}/{mode}"]
-                    if mode != "ar":
-                        row["identical_to_ar"] = outputs[engine] == outputs[f"{kernel}/ar"]
-                    rows.append(row)
-            if binary is not None:
-                formatted = tokenizer.decode(ids[0])
-                rows.append({"group": group, "prompt": i, "engine": "llama.cpp",
-                             **llama_cpp_decode(binary, smollm2_gguf_path(), formatted, args.max_new_tokens,
-                                                args.threads)})
-            print(f"{group} {i + 1}/{len(texts)}", flush=True)
+        llama_rows = []
+
+        def llama_cpp(i: int, ids: list[int], group=group, llama_rows=llama_rows) -> None:
+            formatted = tokenizer.decode(ids)
+            llama_rows.append({"group": group, "prompt": i, "engine": "llama.cpp",
+                               **llama_cpp_decode(binary, smollm2_gguf_path(), formatted, args.max_new_tokens,
+                                                  args.threads)})
+
+        prompts = [encode_prompts(tokenizer, text)[0] for text in texts]
+        decodes = decode_interleaved(decoders, prompts, label=group,
+                                     after_prompt=llama_cpp if binary is not None else None)
+        for i in range(len(texts)):
+            for kernel, mode in setups:
+                engine = f"{kernel}/{mode}"
+                d = decodes[engine][i]
+                row = {"group": group, "prompt": i, "engine": engine, "tokens": d.stats.tokens,
+                       "seconds": d.stats.seconds, "forwards": d.stats.forwards,
+                       "identical_to_first_kernel": d.sequence == decodes[f"{first}/{mode}"][i].sequence}
+                if mode != "ar":
+                    row["identical_to_ar"] = d.sequence == decodes[f"{kernel}/ar"][i].sequence
+                rows.append(row)
+            rows += [r for r in llama_rows if r["prompt"] == i]
 
     summary = {}
     for group in [*groups, "all"]:
@@ -197,12 +195,11 @@ def main() -> None:
         for engine, entry in per_engine.items():
             print(f"  {engine:12s} {entry['tokens_per_second']:7.1f} tok/s  x{entry['vs_first_ar']:.2f}  "
                   + "  ".join(f"{k} {v}" for k, v in entry.items() if k.startswith(("identical", "decode"))))
-    print(json.dumps({"benchmark": "linear_kernels", "kernels": {k: setup_of(m).describe() for k, (m, _) in models.items()},
-                      "max_new_tokens": args.max_new_tokens, "per_group": args.per_group,
-                      "threads": torch.get_num_threads(), "llama_cpp_threads": args.threads if binary else None,
-                      "torch": torch.__version__, "machine": platform.machine(), "summary": summary,
-                      "time": time.strftime("%Y-%m-%dT%H:%M:%S")}))
-
+    environment = conditions()
+    emit({"benchmark": "linear_kernels", "kernels": {k: setup_of(m).describe() for k, (m, _) in models.items()},
+          "max_new_tokens": args.max_new_tokens, "per_group": args.per_group, "threads": environment["threads"],
+          "llama_cpp_threads": args.threads if binary else None, "torch": environment["torch"],
+          "machine": environment["machine"], "summary": summary, "time": environment["time"]})
 
 if __name__ == "__main__":
     main()

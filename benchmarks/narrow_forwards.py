@@ -21,13 +21,13 @@ import time
 import warnings
 
 import torch
+from harness import Engine, add_rates, decode_interleaved, identical, pooled
 from torch import nn
 from transformers import DynamicCache
 
 from refusion.config import DecodeConfig, IgnoredSetting, preset
-from refusion.data import boxed_prompt, default_data_dir, read_jsonl
 from refusion.decode.cache import cache_keyword
-from refusion.decode.loop import generate
+from refusion.eval.tasks import load_examples
 from refusion.model.kernels.narrow import NarrowLinear, row_padding, weight_major_row_times
 from refusion.model.loading import encode_prompts, load
 
@@ -74,36 +74,24 @@ def forward_cost(model, layers, kinds: Kinds, widths: list[int], repeats: int, c
 
 
 def decoding(model, layers, kinds: Kinds, prompts: list[list[int]], configs: dict[str, DecodeConfig]) -> dict:
-    """Tokens, forwards and seconds of each (kind, mode), every one run back to back on every prompt."""
-    totals = {(kind, mode): {"tokens": 0, "forwards": 0, "seconds": 0.0} for kind in kinds for mode in configs}
-    outputs = {}
-    for i, prompt in enumerate(prompts):
-        print(f"prompt {i + 1}/{len(prompts)}", flush=True)
-        for kind in kinds:
-            set_linears(layers, kinds[kind])
-            for mode, cfg in configs.items():
-                start = time.perf_counter()
-                out = generate(model, [prompt], cfg)
-                total = totals[kind, mode]
-                total["seconds"] += time.perf_counter() - start
-                total["tokens"] += out.stats.batch.tokens
-                total["forwards"] += out.stats.batch.forwards
-                outputs[kind, mode, i] = out.sequences[0]
+    """Tokens, forwards and seconds (the `generate` calls, wall clock) of each (kind, mode), every one run back to
+    back on every prompt."""
+    engines = [Engine(f"{kind}/{mode}", model, cfg, switch=lambda kind=kind: set_linears(layers, kinds[kind]))
+               for kind in kinds for mode, cfg in configs.items()]
+    decodes = decode_interleaved(engines, prompts)
     results = {}
-    for (kind, mode), total in totals.items():
-        total["tokens_per_second"] = total["tokens"] / total["seconds"]
-        total["tokens_per_forward"] = total["tokens"] / total["forwards"]
-        results.setdefault(kind, {})[mode] = total
+    for kind in kinds:
+        for mode in configs:
+            total = pooled(decodes[f"{kind}/{mode}"], ("tokens", "forwards", "seconds"), clock="wall")
+            results.setdefault(kind, {})[mode] = add_rates(total)
     for kind, by_mode in results.items():
         for mode, total in by_mode.items():
             total["speed_vs_ar_same_layers"] = total["tokens_per_second"] / by_mode["autoregressive"]["tokens_per_second"]
-            total["identical_to_ar"] = sum(outputs[kind, mode, i] == outputs[kind, "autoregressive", i]
-                                           for i in range(len(prompts)))
+            total["identical_to_ar"] = identical(decodes[f"{kind}/{mode}"], decodes[f"{kind}/autoregressive"])
     first = next(iter(kinds))
-    results["same_tokens_every_kind"] = all(outputs[first, m, i] == outputs[kind, m, i]
-                                            for kind in kinds for m in configs for i in range(len(prompts)))
+    results["same_tokens_every_kind"] = all(identical(decodes[f"{kind}/{m}"], decodes[f"{first}/{m}"]) == len(prompts)
+                                            for kind in kinds for m in configs)
     return results
-
 
 def main() -> None:
     # the base config holds the settings of every mode it derives (a preset tunes several strategies)
@@ -141,8 +129,7 @@ def main() -> None:
     if args.prompts == 0:
         print(json.dumps(report | {"time": time.strftime("%Y-%m-%dT%H:%M:%S")}))
         return
-    problems = read_jsonl(default_data_dir() / "gsm8k" / "test.jsonl")[: args.prompts]
-    prompts = encode_prompts(tokenizer, [boxed_prompt(p["question"]) for p in problems])
+    prompts = encode_prompts(tokenizer, [ex.prompt for ex in load_examples("gsm8k", limit=args.prompts)])
     base = DecodeConfig(**preset("refusion-smol"), max_new_tokens=args.max_new_tokens)
     configs = {"autoregressive": base.replace(strategy="autoregressive")}
     for d in (int(x) for x in args.draft_lengths.split(",")):

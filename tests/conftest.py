@@ -1,6 +1,7 @@
 """Fixtures shared by every test folder."""
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,30 @@ def tiny_model_dir(tmp_path_factory) -> str:
     tiny_model().save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return str(path)
+
+
+SAMPLE_DATA_DIR = Path(__file__).parent / "fixtures" / "data"
+"""A few rows of each built-in data file, in the data folder's layout (tests/fixtures/data/README.md)."""
+
+
+@pytest.fixture(scope="session")
+def sample_data_dir() -> Path:
+    """A data folder of a few real rows per file: what the tests of built-in tasks and sets read, so that they
+    run on a fresh clone with no data folder beside it."""
+    return SAMPLE_DATA_DIR
+
+
+@pytest.fixture(scope="session", autouse=True)
+def data_never_from_the_hub():
+    """No test downloads a data set: a data file missing from the folders is an error, not a download
+    (subprocesses started by tests inherit it)."""
+    saved = os.environ.get("HF_DATASETS_OFFLINE")
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    yield
+    if saved is None:
+        del os.environ["HF_DATASETS_OFFLINE"]
+    else:
+        os.environ["HF_DATASETS_OFFLINE"] = saved
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -78,7 +78,8 @@ def test_the_cycle_finder_finds_a_cycle():
 
 
 LAYERS = (
-    ("foundation", ("refusion.config", "refusion.cpu", "refusion.data", "refusion.open_ended")),
+    ("foundation", ("refusion.config", "refusion.cpu", "refusion.data", "refusion.open_ended", "refusion.jsonl",
+                    "refusion.hub", "refusion.data_files", "refusion.cache_dirs")),
     ("model", ("refusion.model",)),
     ("decode", ("refusion.decode",)),
     ("viz", ("refusion.viz",)),

@@ -1,21 +1,25 @@
 """The built-in data sets and their prompt formats, shared by `refusion train`, `refusion eval` and `refusion generate`.
 
-Data is read from a data folder (default: `../shared/data` next to the project, or $REFUSION_DATA_DIR), never
-copied. A built-in prompt set (a train or validation split, never a test split) is formatted with the same prompt
+Data is read from a data folder (`--data-dir`, $REFUSION_DATA_DIR, or `../shared/data` next to the project),
+else from the Hugging Face hub through `datasets` (`refusion.data_files`), never copied into the project. A
+built-in prompt set (a train or validation split, never a test split) is formatted with the same prompt
 `refusion eval` sends for that task, so that a model fine-tuned on it (or on answers generated from it) is
 evaluated on the format it learned.
 """
 
 from __future__ import annotations
 
-import gzip
-import json
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
 
-DATA_DIR_ENV = "REFUSION_DATA_DIR"
+from refusion.data_files import DATA_DIR_ENV, data_file, default_data_dir
+from refusion.jsonl import jsonl_records, read_jsonl
+
+__all__ = ["BUILTIN_DATASETS", "BUILTIN_MIXES", "BUILTIN_TRAIN_FILES", "DATA_DIR_ENV", "arc_question",
+           "boxed_prompt", "builtin_train_file", "builtin_train_files", "builtin_train_pairs", "choice_prompt",
+           "code_prompt", "default_data_dir", "interleave", "mbpp_prompt", "mmlu_pro_question", "read_jsonl"]
+
 BUILTIN_TRAIN_FILES = {
     "gsm8k": "gsm8k/train.jsonl",
     "mbpp": "mbpp/mbpp.jsonl",  # task ids 601-974 only
@@ -40,26 +44,7 @@ CODE_INSTRUCTION = "Write the complete function in a single ```python code block
 LETTERS = "ABCDEFGHIJ"
 
 
-# 1. where the data lives ------------------------------------------------------------------------------------
-
-def default_data_dir() -> Path:
-    """$REFUSION_DATA_DIR, else the first of ../shared/data from the working directory and ../shared/data next to
-    the project root (the folder holding src/) that exists, else the latter."""
-    if os.environ.get(DATA_DIR_ENV):
-        return Path(os.environ[DATA_DIR_ENV])
-    beside_project = Path(__file__).resolve().parents[2].parent / "shared" / "data"
-    candidates = [Path.cwd().parent / "shared" / "data", beside_project]
-    return next((c for c in candidates if c.is_dir()), beside_project)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """The records of a JSONL file (gzip-compressed when it ends in .gz)."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-# 2. prompt formats ------------------------------------------------------------------------------------------
+# 1. prompt formats ------------------------------------------------------------------------------------------
 
 def boxed_prompt(problem: str) -> str:
     """A math problem (GSM8K, MATH) asking for a worked answer ending in \\boxed{}."""
@@ -103,19 +88,13 @@ def mbpp_prompt(text: str, tests: list[str]) -> str:
             f"Your code should pass these tests:\n\n" + "\n".join(tests) + f"\n\n{CODE_INSTRUCTION}")
 
 
-# 3. the built-in prompt sets --------------------------------------------------------------------------------
+# 2. the built-in prompt sets --------------------------------------------------------------------------------
 
 def builtin_train_files(name: str, data_dir: str | Path | None = None) -> list[Path]:
-    """The files a built-in set reads (each set of a mix); FileNotFoundError says which folder to pass."""
-    root = Path(data_dir) if data_dir else default_data_dir()
-    paths = [root / BUILTIN_TRAIN_FILES[part] for part in BUILTIN_MIXES.get(name, (name,))]
-    for path in paths:
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"built-in data set {name!r} needs {path}, which does not exist; pass --data-dir with the folder "
-                f"holding {path.relative_to(root)} (or set {DATA_DIR_ENV})"
-            )
-    return paths
+    """The files a built-in set reads (each set of a mix), found by `refusion.data_files.data_file`;
+    FileNotFoundError names the file and says how to provide it."""
+    return [data_file(BUILTIN_TRAIN_FILES[part], data_dir, needed_by=f"built-in data set {name!r}")
+            for part in BUILTIN_MIXES.get(name, (name,))]
 
 
 def builtin_train_file(name: str, data_dir: str | Path | None = None) -> Path:
@@ -132,15 +111,10 @@ def builtin_train_pairs(name: str, data_dir: str | Path | None = None) -> Iterat
     if name in BUILTIN_MIXES:
         yield from interleave([builtin_train_pairs(part, data_dir) for part in BUILTIN_MIXES[name]])
         return
-    path = builtin_train_file(name, data_dir)
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if name == "mbpp" and row["task_id"] not in MBPP_TRAIN_TASK_IDS:
-                continue
-            yield (f"{BUILTIN_TRAIN_FILES[name]}:{number}", *_format_train_row(name, row))
+    for number, row in jsonl_records(builtin_train_file(name, data_dir)):
+        if name == "mbpp" and row["task_id"] not in MBPP_TRAIN_TASK_IDS:
+            continue
+        yield (f"{BUILTIN_TRAIN_FILES[name]}:{number}", *_format_train_row(name, row))
 
 
 def interleave(sources: list[Iterator]) -> Iterator:

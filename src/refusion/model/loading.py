@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from refusion.hub import hub_reachable
 from refusion.model import build_cache, embedded
 from refusion.model.adapter import adapter_base, adapter_gate, is_adapter_dir
 from refusion.model.kernels.registry import check_linear
@@ -159,7 +160,7 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
     dtype = dtype or default_dtype(device)
     attn_implementation = attn_implementation or default_attention(device, dtype)
     source = resolve_source(path)
-    if not source.is_local and not _in_local_cache(source.path) and not _hub_reachable():
+    if not source.is_local and not _in_local_cache(source.path) and not hub_reachable():
         raise ValueError(f"could not load {source.path!r}: it is not a local path, not in the local Hugging Face "
                          "cache, and the hub cannot be reached (this machine is offline)")
     model, tokenizer = _load_or_build(source, dtype, attn_implementation)
@@ -272,23 +273,6 @@ def _in_local_cache(hub_id: str) -> bool:
     from huggingface_hub import try_to_load_from_cache
 
     return isinstance(try_to_load_from_cache(hub_id, "config.json"), str)
-
-
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    """A quick check that the hub answers at all, instead of minutes of retries when offline."""
-    import socket
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE:
-        return False
-    url = urlparse(constants.ENDPOINT)
-    try:
-        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
 
 
 @contextlib.contextmanager

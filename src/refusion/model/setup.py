@@ -75,6 +75,11 @@ class ModelSetup:
     draft_table: DraftTable | None = None
     """The exact mode's n-gram drafts (`DecodeConfig.table_length`), found beside the model; None when none ships."""
 
+    preset: str | None = None
+    """The decoding preset made for this model (a `refusion.config.PRESETS` name: "refusion-smol" for the embedded
+    model, `model.embedded.preset_for`), which `generate` decodes with when given no config; None: the
+    `DecodeConfig` defaults."""
+
     adapter_gate: str = "none"
     """"mask" when a mask-gated adapter is attached (it acts only at `<|mask|>` rows, so clean-token logits are
     the base's own), else "none"."""
@@ -177,6 +182,7 @@ def prepare(model, tokenizer=None, *, directory: str | Path | None = None, linea
     """
     from refusion.model.compact import compact_forward
     from refusion.model.compiled import compile_model
+    from refusion.model.embedded import preset_for
     from refusion.model.kernels.choice import choose_linear_kernel, forwards_row_exact
 
     check_linear(linear)
@@ -195,7 +201,7 @@ def prepare(model, tokenizer=None, *, directory: str | Path | None = None, linea
         model.generation_config.eos_token_id = eos[0] if len(eos) == 1 else list(eos)
     setup = ModelSetup(
         special_tokens=tokens, kernels=Kernels(linear_kernel, attention, reason, _dtype_of(model)), draft_table=table,
-        adapter_gate=_adapter_gate_of(model),
+        preset=preset_for(directory), adapter_gate=_adapter_gate_of(model),
         row_exact=forwards_row_exact(model, linear_kernel, attention) and not compile,
         compact_forward=compact_forward(model), recorded_costs=True,
         compiled=compile_model(model) if compile else None)

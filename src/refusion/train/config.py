@@ -50,7 +50,8 @@ class TrainConfig:
     """Output directory: checkpoints/, metrics.jsonl, and at the end a standard HF model directory."""
 
     data_dir: str | None = None
-    """Folder of the built-in data sets; None means ../shared/data next to the project root."""
+    """Folder of the built-in data sets; None: $REFUSION_DATA_DIR, else ../shared/data next to the project root,
+    else the Hugging Face hub (`refusion.data_files`)."""
 
     max_samples: int | None = None
     """Use at most this many records of each data source (None: all). For quick runs and benchmarks."""

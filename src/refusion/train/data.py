@@ -5,7 +5,7 @@ Accepted sources:
   format) or {"messages": [{"role", "content"}, ...]} chat records whose last message is the assistant's response;
 - the built-in prompt sets of `refusion.data` with their gold answers (train and validation splits: "gsm8k",
   "mbpp" (task ids 601-974), "math", "arc_challenge_train", "arc_challenge_dev", "mmlu_pro_validation", and
-  "distill-mix", all of them interleaved), read from the shared data folder.
+  "distill-mix", all of them interleaved), read from a data folder or the Hugging Face hub (`refusion.data_files`).
 
 The prompt goes through the tokenizer's chat template with the generation prompt; the response is
 followed by the turn-end token. Samples longer than the maximum length are skipped and counted.
@@ -13,7 +13,6 @@ followed by the turn-end token. Samples longer than the maximum length are skipp
 
 from __future__ import annotations
 
-import gzip
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 
 from refusion.data import BUILTIN_DATASETS, builtin_train_files, builtin_train_pairs, default_data_dir
+from refusion.jsonl import open_text, parse_lines
 
 __all__ = ["BUILTIN_DATASETS", "Conversation", "TokenizedData", "check_sources", "default_data_dir",
            "load_conversations", "load_training_data", "response_eos_id", "tokenize_conversations"]
@@ -73,15 +73,12 @@ def check_sources(sources: tuple[str, ...], data_dir: str | Path | None = None) 
 
 def read_json_records(path: str | Path) -> Iterator[tuple[str, dict]]:
     """(origin, record) of a JSON list or JSONL file (gzip-compressed when its name ends in .gz); a line or record
-    that does not parse is a ValueError."""
+    that does not parse is a ValueError naming the file and line."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} does not exist")
-    if path.suffix == ".gz":
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            text = f.read()
-    else:
-        text = path.read_text(encoding="utf-8")
+    with open_text(path) as f:
+        text = f.read()
     if text.lstrip().startswith("["):
         try:
             records = json.loads(text)
@@ -90,13 +87,8 @@ def read_json_records(path: str | Path) -> Iterator[tuple[str, dict]]:
         for i, record in enumerate(records):
             yield f"{path}: record {i + 1}", record
         return
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            yield f"{path}:{number}", json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+    for number, record in parse_lines(text.splitlines(), path):
+        yield f"{path}:{number}", record
 
 
 def to_conversation(record, origin: str) -> Conversation:
