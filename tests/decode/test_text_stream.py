@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from refusion.serve.scheduler import TextStream
+from refusion.decode.stream import TextStream
 
 
 def feed(stops, texts):
