@@ -144,24 +144,31 @@ class Chat:
 
     def fitting_prompt(self) -> list[int] | None:
         """The prompt ids of the conversation, its oldest turns dropped (with a notice) until it fits the model's
-        context; None when the newest question alone does not fit."""
+        context; None (with a notice, nothing dropped) when the newest question alone does not fit."""
+        newest = self.conversation.system + self.conversation.turns[-1:]
+        too_long = self.too_long(encode_messages(self.tokenizer, newest))
+        if too_long is not None:
+            self.notice(f"(this message does not fit the model's context: {too_long})")
+            return None
+        dropped = 0
+        while self.too_long(prompt := encode_messages(self.tokenizer, self.conversation.messages)) is not None:
+            if not self.conversation.drop_oldest_turn():
+                break  # not reached: the newest question alone fits
+            dropped += 1
+        if dropped:
+            self.notice(f"(the conversation outgrew the model's context: dropped its oldest "
+                        f"{'turn' if dropped == 1 else f'{dropped} turns'})")
+        return prompt
+
+    def too_long(self, prompt: list[int]) -> str | None:
+        """Why `prompt` and the answer's tokens do not fit the model's context, or None when they do."""
         from refusion.decode.loop import PromptTooLong, validate_prompts
 
-        dropped = 0
-        while True:
-            prompt = encode_messages(self.tokenizer, self.conversation.messages)
-            try:
-                validate_prompts(self.model, [prompt], self.cfg, None)
-            except PromptTooLong as e:
-                if self.conversation.drop_oldest_turn():
-                    dropped += 1
-                    continue
-                self.notice(f"(this message does not fit the model's context: {reason(e)})")
-                return None
-            if dropped:
-                self.notice(f"(the conversation outgrew the model's context: dropped its oldest "
-                            f"{'turn' if dropped == 1 else f'{dropped} turns'})")
-            return prompt
+        try:
+            validate_prompts(self.model, [prompt], self.cfg, None)
+        except PromptTooLong as e:
+            return str(e).removeprefix("prompt 0 ")  # a chat has one prompt
+        return None
 
     def stats_line(self) -> str:
         from refusion.decode.cli import stats_line
@@ -181,12 +188,6 @@ class Chat:
         except OSError as e:
             return f"(cannot write {path}: {e.strerror or e})"
         return f"(saved {len(self.conversation.messages)} messages to {path})"
-
-
-def reason(error: Exception) -> str:
-    """A PromptTooLong's message without its "prompt 0" numbering (a chat has one prompt)."""
-    text = str(error)
-    return text.removeprefix("prompt 0 ")
 
 
 def handle_command(chat: Chat, line: str) -> bool:
