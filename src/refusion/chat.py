@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -106,41 +107,49 @@ class Chat:
         """Answer `question` after the conversation so far, writing the answer as it is committed. None when no
         answer was made: the question alone does not fit the model's context, decoding refused the settings, or
         Ctrl-C came before any text (a notice says which; the question is forgotten)."""
+        turns = self.conversation.turns
+        turns.append({"role": "user", "content": question})
+        answer = None
+        try:
+            prompt = self.fitting_prompt()
+            if prompt is not None:
+                answer = self.answer(prompt)
+        except ValueError as e:  # e.g. a setting this model cannot decode with
+            self.notice(f"(error: {e})")
+        except KeyboardInterrupt:  # Ctrl-C before decoding began
+            self.notice("(stopped)")
+        if answer is None:
+            turns.pop()
+            return None
+        turns.append({"role": "assistant", "content": answer.text})
+        self.last = answer
+        return answer
+
+    def answer(self, prompt: list[int]) -> Answer | None:
+        """Decode `prompt`, writing the answer as it is committed, then a newline. Ctrl-C ends the answer with the
+        text shown (None when none was)."""
         from refusion.decode.loop import generate
         from refusion.decode.stream import ResponseStream
 
-        turns = self.conversation.turns
-        turns.append({"role": "user", "content": question})
         stream, seqs = ResponseStream(self.tokenizer, self.write), []
 
         def on_round(seq, rnd) -> None:
             seqs[:] = [seq]
             stream.update(seq.contiguous_response())
         try:
-            prompt = self.fitting_prompt()
-            if prompt is None:
-                turns.pop()
-                return None
             out = generate(self.model, [prompt], self.cfg, on_round=on_round)
-            text = stream.finish(out.sequences[0])
-            answer = Answer(out.sequences[0], text, out.stats.per_sequence[0])
-        except KeyboardInterrupt:  # Ctrl-C: the answer ends with what was shown
-            answer = Answer(seqs[0].contiguous_response() if seqs else [], stream.written, None, stopped=True)
-            self.write("\n" if answer.text else "")
-            self.notice("(stopped)")
-            if not answer.text:
-                turns.pop()
-                return None
-        except ValueError as e:  # e.g. a setting this model cannot decode with
+        except KeyboardInterrupt:
             self.write("\n" if stream.written else "")
-            self.notice(f"(error: {e})")
-            turns.pop()
-            return None
-        else:
-            self.write("\n")
-        turns.append({"role": "assistant", "content": answer.text})
-        self.last = answer
-        return answer
+            self.notice("(stopped)")
+            if not stream.written:
+                return None
+            return Answer(seqs[0].contiguous_response(), stream.written, None, stopped=True)
+        except ValueError:
+            self.write("\n" if stream.written else "")
+            raise
+        text = stream.finish(out.sequences[0])
+        self.write("\n")
+        return Answer(out.sequences[0], text, out.stats.per_sequence[0])
 
     def fitting_prompt(self) -> list[int] | None:
         """The prompt ids of the conversation, its oldest turns dropped (with a notice) until it fits the model's
@@ -203,7 +212,7 @@ def handle_command(chat: Chat, line: str) -> bool:
     elif name == "/stats":
         chat.notice(chat.stats_line())
     elif name == "/save":
-        chat.notice(chat.save(rest) if rest else "(usage: /save FILE)")
+        chat.notice(chat.save(os.path.expanduser(rest)) if rest else "(usage: /save FILE)")
     elif name == "/help":
         chat.notice(HELP)
     else:
