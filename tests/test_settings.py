@@ -37,7 +37,7 @@ def test_every_field_has_a_docstring():
     assert set(field_docs(DecodeConfig)) == set(FIELDS)
 
 
-@pytest.mark.parametrize("command", ["generate", "serve", "eval", "bench"])
+@pytest.mark.parametrize("command", ["generate", "chat", "serve", "eval", "bench"])
 def test_every_field_is_a_flag(command):
     dests = _dests(_parser(command))
     # eval and bench have max_new_tokens and strategy flags of their own; bench sweeps the strategy

@@ -1,4 +1,4 @@
-"""The `refusion` command line: generate | train | eval | bench | serve | trace | export-adapter.
+"""The `refusion` command line: generate | chat | train | eval | bench | serve | trace | export-adapter.
 
 Each subcommand lives next to the code it drives and exposes `add_parser(subparsers)`; heavy imports
 happen inside the command, so `refusion --help` stays fast.
@@ -17,6 +17,7 @@ from refusion.cpu import choose_cpu_threads
 # module path of each subcommand's `add_parser`, in the order `--help` lists them
 SUBCOMMANDS = [
     "refusion.decode.cli",
+    "refusion.chat",
     "refusion.train.cli",
     "refusion.eval.cli",
     "refusion.serve.cli",

@@ -16,6 +16,7 @@ from refusion.arguments import (
     load_from_args,
 )
 from refusion.data import BUILTIN_DATASETS
+from refusion.decode.stream import ResponseStream, response_text
 from refusion.jsonl import jsonl_records
 
 
@@ -79,22 +80,33 @@ def run(args: argparse.Namespace) -> int:
             schema = json.load(f)
         structured = dict(response_format={"type": "json_schema", "json_schema": {"name": "cli", "schema": schema}},
                           tokenizer=tokenizer)
+    if args.stats and not args.json:  # the numbers in force: dtype and kernels (the same on every run of a machine)
+        from refusion.model.setup import setup_of
+        print(f"[{setup_of(model).describe()}]", flush=True)
+    streamed = streams_answers(args)
     if args.show:
         from refusion.viz.terminal import LiveView
         with LiveView(tokenizer, prompts) as view:
             out = generate(model, input_ids, cfg, trace=bool(args.trace), on_round=view, **structured)
             view.finish(out)
+    elif streamed:
+        answers = StreamedAnswers(tokenizer, prompts, cfg if args.stats else None)
+        try:
+            out = generate(model, input_ids, cfg, trace=bool(args.trace), on_round=answers, **structured)
+        except KeyboardInterrupt:
+            _write_stdout("\n")  # the interrupted answer's line ends before the one-line notice
+            raise
+        answers.finish(out)
     else:
         out = generate(model, input_ids, cfg, trace=bool(args.trace), **structured)
     if args.trace:
         from refusion.viz.schema import build_trace, save_trace
         doc = build_trace(out, tokenizer, prompts, input_ids, cfg, model=args.model or "(embedded)")
         save_trace(doc, args.trace)
-    if args.stats and not args.json:  # the numbers in force: dtype and kernels (the same on every run of a machine)
-        from refusion.model.setup import setup_of
-        print(f"[{setup_of(model).describe()}]")
+    if streamed:
+        return 0
     for i, (prompt, tokens) in enumerate(zip(prompts, out.sequences)):
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        text = response_text(tokenizer, tokens)
         stats = out.stats.per_sequence[i]
         if args.json:
             record = {"prompt": prompt, "text": text, "token_ids": tokens, "stats": stats.to_dict(),
@@ -104,11 +116,79 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(record))
             continue
         if len(prompts) > 1:
-            print(f"--- [{i}] {prompt}")
+            print(answer_header(i, prompt))
         print(text)
         if args.stats:
             print(stats_line(cfg, stats))
     return 0
+
+
+def streams_answers(args: argparse.Namespace) -> bool:
+    """Whether the answers print as they are committed: on a terminal, unless --json or --show asks otherwise
+    (piped output is printed whole, as it always was)."""
+    return sys.stdout.isatty() and not args.json and not args.show
+
+
+def answer_header(i: int, prompt: str) -> str:
+    """The line before answer `i` when several prompts are answered."""
+    return f"--- [{i}] {prompt}"
+
+
+class StreamedAnswers:
+    """`generate`'s `on_round` on a terminal: each answer's committed text is written as it grows, in prompt order,
+    with the header and stats lines piped output has (the same text, once all is written).
+
+    The first unfinished answer streams; later ones are kept until it is done, then write what they hold and stream
+    on. An answer is done when its sequence has finished (seen at the next round of any sequence, or at `finish`).
+    """
+
+    def __init__(self, tokenizer, prompts: list[str], stats_cfg=None, write=None):
+        """`stats_cfg`: the DecodeConfig whose stats line follows each answer (None: no stats line)."""
+        self.write = write or _write_stdout
+        self.prompts, self.stats_cfg = prompts, stats_cfg
+        self.held = ["" for _ in prompts]  # text of answers waiting for their turn
+        self.streams = [ResponseStream(tokenizer, self._writer(i)) for i in range(len(prompts))]
+        self.seqs = [None for _ in prompts]
+        self.head = 0  # the answer being written
+        self._start_answer()
+
+    def _writer(self, i: int):
+        def write(text: str) -> None:
+            if i == self.head:
+                self.write(text)
+            else:
+                self.held[i] += text
+        return write
+
+    def __call__(self, seq, rnd) -> None:
+        self.seqs[seq.id] = seq  # generate adds prompt i as sequence i
+        self.streams[seq.id].update(seq.contiguous_response())
+        while self.head < len(self.prompts) and self.seqs[self.head] is not None and self.seqs[self.head].finished:
+            seq = self.seqs[self.head]
+            self._finish_answer(seq.response(), seq.stats)
+
+    def finish(self, out) -> None:
+        """Write every answer not yet done, from `generate`'s output."""
+        while self.head < len(self.prompts):
+            self._finish_answer(out.sequences[self.head], out.stats.per_sequence[self.head])
+
+    def _start_answer(self) -> None:
+        if len(self.prompts) > 1:
+            self.write(answer_header(self.head, self.prompts[self.head]) + "\n")
+        self.write(self.held[self.head])
+        self.held[self.head] = ""
+
+    def _finish_answer(self, tokens: list[int], stats) -> None:
+        self.streams[self.head].finish(tokens)
+        self.write("\n" if self.stats_cfg is None else f"\n{stats_line(self.stats_cfg, stats)}\n")
+        self.head += 1
+        if self.head < len(self.prompts):
+            self._start_answer()
+
+
+def _write_stdout(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 def stats_line(cfg, stats) -> str:
@@ -218,7 +298,7 @@ def run_file(args: argparse.Namespace) -> int:
             while written in answered:  # records go out in --input's order
                 seq = answered.pop(written)
                 origin, prompt = prompts[written]
-                text = tokenizer.decode(seq.response(), skip_special_tokens=True)
+                text = response_text(tokenizer, seq.response())
                 out_file.write(json.dumps({"query": prompt, "response": text, "origin": origin,
                                            "stats": seq.stats.to_dict()}) + "\n")
                 out_file.flush()

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from refusion.config import DecodeConfig
+from refusion.decode.stream import TextStream
 
 if TYPE_CHECKING:
     from refusion.decode.sequence import Sequence
@@ -72,42 +73,6 @@ class Event:
     @property
     def final(self) -> bool:
         return self.finish_reason is not None or self.error is not None
-
-
-class TextStream:
-    """Turns the growing decoded text of one sequence into deltas that are never taken back.
-
-    A delta holds back (a) a trailing U+FFFD, i.e. an incomplete multi-byte character, and (b) a tail that
-    could be the start of a stop string. A stop string cuts the text before it and ends the stream.
-    """
-
-    def __init__(self, stops: list[str]):
-        self.stops = stops
-        self.sent = ""
-
-    def update(self, text: str, final: bool) -> tuple[str, bool]:
-        """(delta to send, whether a stop string matched) for the text decoded so far."""
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        stopped = cut >= 0
-        if stopped:
-            text, final = text[:cut], True
-        if not final:
-            text = text[: len(text) - self._held_back(text)]
-        if not text.startswith(self.sent):
-            log.warning("decoded text is not an extension of the text already streamed; %r after %r",
-                        text, self.sent)
-            return "", stopped
-        delta, self.sent = text[len(self.sent):], max(text, self.sent, key=len)
-        return delta, stopped
-
-    def _held_back(self, text: str) -> int:
-        hold = len(text) - len(text.rstrip("\ufffd"))
-        for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(text)), 0, -1):
-                if text.endswith(stop[:n]):
-                    hold = max(hold, n)
-                    break
-        return hold
 
 
 @dataclass(eq=False)

@@ -1,0 +1,268 @@
+"""`refusion chat`: a conversation with one loaded model, each answer streamed as it is committed.
+
+The conversation is a list of chat messages (an optional system message, then user and assistant turns). Each
+question re-encodes the whole conversation through the model's chat template and decodes it with `generate`, the
+settings built from the same flags as `refusion generate`; the answer's committed text is written as it grows
+(`decode/stream.py`). When the conversation no longer fits the model's context, its oldest turns are dropped (one
+line says so). Ctrl-C stops the answer being written (the conversation keeps what was shown) and Ctrl-D leaves.
+
+Commands: /reset, /stats, /save FILE, /help, /exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from refusion.arguments import (
+    add_decode_arguments,
+    add_model_arguments,
+    decode_config_from_args,
+    load_from_args,
+)
+
+if TYPE_CHECKING:
+    from refusion.decode.outputs import SequenceStats
+
+PROMPT = ">>> "
+HELP = ("/reset forgets the conversation, /stats shows the last answer's statistics, /save FILE writes the "
+        "conversation as JSON messages, /exit (or Ctrl-D) leaves; Ctrl-C stops an answer")
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("chat", help="talk to a model: a multi-turn conversation, answers streamed",
+                              description="A conversation with one loaded model through its chat template; each "
+                                          f"answer is written as it is committed. In the session: {HELP}.")
+    add_model_arguments(p)
+    add_decode_arguments(p)
+    p.add_argument("--system", default=None, help="system message for the chat template")
+    p.set_defaults(func=run)
+
+
+@dataclass
+class Answer:
+    """One answer of the conversation."""
+
+    tokens: list[int]
+    """Its token ids (up to and including EOS); those committed before Ctrl-C when stopped."""
+    text: str
+    """Its text, as written."""
+    stats: SequenceStats | None
+    """The sequence's `SequenceStats` (None when stopped)."""
+    stopped: bool = False
+    """Whether Ctrl-C stopped it."""
+
+
+def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
+    """The prompt ids of a conversation: its messages through the chat template, the assistant's turn opened."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+class Conversation:
+    """The messages of a chat: the system message (if any) first, then user and assistant turns."""
+
+    def __init__(self, system: str | None = None):
+        self.system = [{"role": "system", "content": system}] if system else []
+        self.turns: list[dict] = []
+
+    @property
+    def messages(self) -> list[dict]:
+        return self.system + self.turns
+
+    def drop_oldest_turn(self) -> bool:
+        """Forget the oldest question and its answer; False when only the newest question is left."""
+        if len(self.turns) <= 1:
+            return False
+        del self.turns[:2]
+        return True
+
+    def reset(self) -> None:
+        self.turns.clear()
+
+
+class Chat:
+    """One loaded model answering a conversation, each answer written to `write` as it is committed."""
+
+    def __init__(self, model, tokenizer, cfg, *, system: str | None = None,
+                 write: Callable[[str], object] | None = None, notice: Callable[[str], object] | None = None):
+        """`write`: where answers go (default: stdout, flushed); `notice`: where one-line notices go (stderr)."""
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template: use `refusion generate --no-chat`")
+        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.conversation = Conversation(system)
+        self.write = write or _write_stdout
+        self.notice = notice or _notice_stderr
+        self.last: Answer | None = None
+
+    def ask(self, question: str) -> Answer | None:
+        """Answer `question` after the conversation so far, writing the answer as it is committed. None when no
+        answer was made: the question alone does not fit the model's context, decoding refused the settings, or
+        Ctrl-C came before any text (a notice says which; the question is forgotten)."""
+        turns = self.conversation.turns
+        turns.append({"role": "user", "content": question})
+        answer = None
+        try:
+            prompt = self.fitting_prompt()
+            if prompt is not None:
+                answer = self.answer(prompt)
+        except ValueError as e:  # e.g. a setting this model cannot decode with
+            self.notice(f"(error: {e})")
+        except KeyboardInterrupt:  # Ctrl-C before decoding began
+            self.notice("(stopped)")
+        if answer is None:
+            turns.pop()
+            return None
+        turns.append({"role": "assistant", "content": answer.text})
+        self.last = answer
+        return answer
+
+    def answer(self, prompt: list[int]) -> Answer | None:
+        """Decode `prompt`, writing the answer as it is committed, then a newline. Ctrl-C ends the answer with the
+        text shown (None when none was)."""
+        from refusion.decode.loop import generate
+        from refusion.decode.stream import ResponseStream
+
+        stream, seqs = ResponseStream(self.tokenizer, self.write), []
+
+        def on_round(seq, rnd) -> None:
+            seqs[:] = [seq]
+            stream.update(seq.contiguous_response())
+        try:
+            out = generate(self.model, [prompt], self.cfg, on_round=on_round)
+        except KeyboardInterrupt:
+            self.write("\n" if stream.written else "")
+            self.notice("(stopped)")
+            if not stream.written:
+                return None
+            return Answer(seqs[0].contiguous_response(), stream.written, None, stopped=True)
+        except ValueError:
+            self.write("\n" if stream.written else "")
+            raise
+        text = stream.finish(out.sequences[0])
+        self.write("\n")
+        return Answer(out.sequences[0], text, out.stats.per_sequence[0])
+
+    def fitting_prompt(self) -> list[int] | None:
+        """The prompt ids of the conversation, its oldest turns dropped (with a notice) until it fits the model's
+        context; None (with a notice, nothing dropped) when the newest question alone does not fit."""
+        newest = self.conversation.system + self.conversation.turns[-1:]
+        too_long = self.too_long(encode_messages(self.tokenizer, newest))
+        if too_long is not None:
+            self.notice(f"(this message does not fit the model's context: {too_long})")
+            return None
+        dropped = 0
+        while self.too_long(prompt := encode_messages(self.tokenizer, self.conversation.messages)) is not None:
+            if not self.conversation.drop_oldest_turn():
+                break  # not reached: the newest question alone fits
+            dropped += 1
+        if dropped:
+            self.notice(f"(the conversation outgrew the model's context: dropped its oldest "
+                        f"{'turn' if dropped == 1 else f'{dropped} turns'})")
+        return prompt
+
+    def too_long(self, prompt: list[int]) -> str | None:
+        """Why `prompt` and the answer's tokens do not fit the model's context, or None when they do."""
+        from refusion.decode.loop import PromptTooLong, validate_prompts
+
+        try:
+            validate_prompts(self.model, [prompt], self.cfg, None)
+        except PromptTooLong as e:
+            return str(e).removeprefix("prompt 0 ")  # a chat has one prompt
+        return None
+
+    def stats_line(self) -> str:
+        from refusion.decode.cli import stats_line
+
+        if self.last is None:
+            return "(no answer yet)"
+        if self.last.stats is None:
+            return "(the last answer was stopped: no statistics)"
+        return stats_line(self.cfg, self.last.stats)
+
+    def save(self, path: str) -> str:
+        """Write the conversation as a JSON list of messages; the one line that says what happened."""
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(self.conversation.messages, f, ensure_ascii=False, indent=1)
+                f.write("\n")
+        except OSError as e:
+            return f"(cannot write {path}: {e.strerror or e})"
+        return f"(saved {len(self.conversation.messages)} messages to {path})"
+
+
+def handle_command(chat: Chat, line: str) -> bool:
+    """Run one slash command; False when it ends the session. Bad commands get one line."""
+    name, _, rest = line.partition(" ")
+    rest = rest.strip()
+    if name == "/exit":
+        return False
+    if name == "/reset":
+        chat.conversation.reset()
+        chat.last = None
+        chat.notice("(the conversation starts afresh)")
+    elif name == "/stats":
+        chat.notice(chat.stats_line())
+    elif name == "/save":
+        chat.notice(chat.save(os.path.expanduser(rest)) if rest else "(usage: /save FILE)")
+    elif name == "/help":
+        chat.notice(HELP)
+    else:
+        chat.notice(f"(unknown command {name}: /help lists them)")
+    return True
+
+
+def session(chat: Chat, read: Callable[[str], str] = input, prompt: str = PROMPT) -> None:
+    """Read lines until /exit or end of input: a slash command runs, any other text is a question answered."""
+    while True:
+        try:
+            line = read(prompt).strip()
+        except EOFError:  # Ctrl-D
+            chat.write("\n")
+            return
+        except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh line, the session goes on
+            chat.write("\n")
+            chat.notice("(Ctrl-D or /exit leaves)")
+            continue
+        if not line:
+            chat.notice("(empty message: type a question, or /help)")
+        elif line.startswith("/"):
+            if not handle_command(chat, line):
+                return
+        else:
+            chat.ask(line)
+
+
+def enable_line_editing() -> None:
+    """Arrow keys, editing and history at the prompt, where Python has readline (importing it is enough)."""
+    with contextlib.suppress(ImportError):
+        import readline  # noqa: F401
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = decode_config_from_args(args)  # validated before the model loads
+    model, tokenizer = load_from_args(args)
+    chat = Chat(model, tokenizer, cfg, system=args.system)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        enable_line_editing()
+        chat.notice(f"refusion chat ({args.model or 'the embedded model'}, strategy {cfg.strategy}): {HELP}")
+    session(chat, prompt=PROMPT if interactive else "")
+    return 0
+
+
+def _write_stdout(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _notice_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
