@@ -100,7 +100,7 @@ def test_exact_rows_pads_where_one_row_products_round_their_own_way(monkeypatch)
         return out
 
     monkeypatch.setattr(packed, "packed_product", one_row_rounds_its_own_way)
-    rows = packed.exact_rows.__wrapped__(96, 160)
+    rows = packed.probe_exact_rows(96, 160)
     assert rows.low == 2 and rows.high >= packed.MIN_EXACT_ROWS
 
 
@@ -255,3 +255,19 @@ def test_decoders_keep_fp64_entries_for_exact_attention_and_decode_the_same_toke
     assert loop.Decoder(model).cache.kv_dtype is None
     narrow = refusion.generate(model, prompts, cfg)
     assert wide.sequences == narrow.sequences and wide.stats.batch.forwards == narrow.stats.batch.forwards
+
+
+def test_exact_rows_are_probed_once_per_machine_and_read_back(monkeypatch, tmp_path):
+    """The probe compares bits (the same answer every time), so it is recorded like the timed probes: a later
+    process reads the record instead of probing."""
+    monkeypatch.setenv("REFUSION_CACHE", str(tmp_path))
+    packed.exact_rows.cache_clear()
+    first = packed.exact_rows(96, 160)
+    packed.exact_rows.cache_clear()
+
+    def no_probe(*args):
+        raise AssertionError("probed again")
+
+    monkeypatch.setattr(packed, "probe_exact_rows", no_probe)
+    assert packed.exact_rows(96, 160) == first
+    packed.exact_rows.cache_clear()

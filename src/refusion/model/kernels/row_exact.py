@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -182,11 +182,21 @@ def speedup(baseline, candidate, repeats: int) -> float:
 
 
 @functools.cache
-@torch.no_grad()
 def exact_rows(in_features: int, out_features: int, max_rows: int = MAX_EXACT_ROWS) -> ExactRows:
+    """Where packed bf16 products of this weight shape compute every row as it would be alone (`probe_exact_rows`,
+    run once per machine and shape and recorded with the model cache, `model.calibration`: it compares bits, so
+    it gives the same answer every time, but it costs ~0.1 s a shape at every start)."""
+    from refusion.model import calibration
+
+    value = calibration.recorded("exact_rows", {"shape": [out_features, in_features], "max_rows": max_rows},
+                                 lambda: list(astuple(probe_exact_rows(in_features, out_features, max_rows))))
+    return ExactRows(*value)
+
+
+@torch.no_grad()
+def probe_exact_rows(in_features: int, out_features: int, max_rows: int = MAX_EXACT_ROWS) -> ExactRows:
     """Where packed bf16 products of this weight shape compute every row as it would be alone (random weights
-    of this shape, from a generator of its own; probed once per shape: choosing the dtype and switching the
-    layers ask for the same shapes). `low`: 1 where one-row products equal two-row products of the same rows
+    of this shape, from a generator of its own). `low`: 1 where one-row products equal two-row products of the same rows
     (over ALONE_PROBE_ROWS rows), else 2. `high`: the largest r <= max_rows such that products of low..r rows
     give each row's product at `low` rows bit for bit (`low` when none does); 1 when a one-row packed product
     differs from `F.linear`'s."""
