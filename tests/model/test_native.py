@@ -370,3 +370,20 @@ def test_weight_major_products_padded_as_the_python_layers_do():
     compact = native_run(model)
     assert_same(forwards(model, compact), forwards(model, python_run(model)))
     assert_same(one_token_steps(model, compact, steps=8), one_token_steps(model, python_run(model), steps=8))
+
+
+def test_a_stopped_builds_lock_is_removed_and_a_fresh_one_kept(tmp_path, capsys):
+    """A build stopped by Ctrl-C leaves torch's lock file behind, and torch waits on it forever."""
+    import os
+    import time
+
+    from refusion.model.kernels.extension import STALE_LOCK_SECONDS, remove_stale_lock
+
+    lock = tmp_path / "lock"
+    assert not remove_stale_lock(lock)  # none there
+    lock.touch()
+    assert not remove_stale_lock(lock) and lock.exists()  # a build in progress
+    old = time.time() - STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    assert remove_stale_lock(lock) and not lock.exists()
+    assert "removed a build lock" in capsys.readouterr().err

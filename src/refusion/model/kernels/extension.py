@@ -31,6 +31,9 @@ they run on one thread: the same results)."""
 CFLAGS = ["-O3", "-ffp-contract=off", *OPENMP]
 """Compiler flags: no contraction of a product and a sum into an FMA (the fused kernels round as ATen's
 operations do)."""
+STALE_LOCK_SECONDS = 600
+"""A build lock older than this is left over from a build that was stopped (Ctrl-C during the first run, a killed
+process): torch waits on such a lock forever, so it is removed. A build takes ~30-60 s."""
 
 
 @functools.cache
@@ -47,6 +50,7 @@ def native_extension():
         # torch's extension directory (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), one folder per source
         directory = Path(cpp_extension._get_build_directory(EXTENSION, verbose=False)) / tag
         directory.mkdir(parents=True, exist_ok=True)
+        remove_stale_lock(directory / "lock")
         if not (directory / f"{EXTENSION}.so").exists():
             print("refusion: compiling the native decoder layers (once per machine and torch version, ~30 s)",
                   file=sys.stderr, flush=True)
@@ -57,6 +61,22 @@ def native_extension():
         warnings.warn(f"refusion: the native decoder layers could not be built ({reason}); decoding runs the "
                       f"Python layer loop (same tokens, slower)", stacklevel=2)
         return None
+
+
+def remove_stale_lock(lock: Path, max_age: float = STALE_LOCK_SECONDS) -> bool:
+    """Remove a build lock older than `max_age` seconds (a stopped build's); True when one was removed."""
+    import time
+
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return False
+    if age <= max_age:
+        return False
+    lock.unlink(missing_ok=True)
+    print(f"refusion: removed a build lock left {age / 60:.0f} min ago by a stopped build ({lock})",
+          file=sys.stderr, flush=True)
+    return True
 
 
 def native_available() -> bool:
