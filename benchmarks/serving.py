@@ -153,6 +153,27 @@ async def run_level(base: str, prompts: list[str], clients: int, requests: int, 
             "ttft": percentiles([r["ttft"] for r in results]), "itl": percentiles([r["itl"] for r in results])}
 
 
+def library_rate(prompts: list[str], requests: int, max_tokens: int, threads: int | None) -> dict:
+    """The preset decoding the 1-client level's requests one by one in this process (`refusion.generate`): what
+    the server at one client is compared with."""
+    import torch
+
+    import refusion
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    model, tokenizer = refusion.load()
+    refusion.generate(model, refusion.encode_prompts(tokenizer, prompts[:1]), max_new_tokens=16)  # warm-up
+    tokens = seconds = 0.0
+    for i in range(requests):
+        out = refusion.generate(model, refusion.encode_prompts(tokenizer, [prompts[i % len(prompts)]]),
+                                max_new_tokens=max_tokens)
+        tokens += out.stats.batch.tokens
+        seconds += out.stats.batch.seconds
+    return {"requests": requests, "tokens": tokens, "seconds": seconds, "output_tokens_per_second": tokens / seconds,
+            "threads": torch.get_num_threads()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", default="1,4,16,64")
@@ -161,6 +182,7 @@ def main() -> None:
     parser.add_argument("--per-task", type=int, default=12, help="held-out prompts of each task slice")
     parser.add_argument("--slots", type=int, default=8, help="refusion's --max-batch-size and llama-server's -np")
     parser.add_argument("--threads", type=int, default=None, help="refusion serve --threads (default: its own)")
+    parser.add_argument("--library", action="store_true", help="also the preset in this process, one request at a time")
     parser.add_argument("--llama-server", default=None, help="a llama-server binary (llama.cpp) to compare with")
     parser.add_argument("--llama-threads", type=int, default=os.cpu_count())
     parser.add_argument("--llama-specs", default="none,ngram-simple",
@@ -207,8 +229,14 @@ def main() -> None:
             finally:
                 llama.terminate()
                 llama.wait()
+    if args.library:
+        results["library"] = library_rate(prompts, args.requests or 12, args.max_tokens, args.threads)
+        print(f"{'library':15s} clients   1: {results['library']['output_tokens_per_second']:7.1f} tokens/s", flush=True)
     ratios = {f"preset_over_ar_at_{r['clients']}": r["output_tokens_per_second"] / a["output_tokens_per_second"]
               for r, a in zip(results["preset"], results["autoregressive"])}
+    if args.library and 1 in levels:
+        ratios["server_over_library_at_1"] = (results["preset"][levels.index(1)]["output_tokens_per_second"]
+                                              / results["library"]["output_tokens_per_second"])
     print(json.dumps({"benchmark": "serving", "model": info.get("data", [{}])[0], "prompts": len(prompts),
                       "max_tokens": args.max_tokens, "slots": args.slots, "threads": args.threads,
                       "cpu": _cpu_name(), "results": results, "ratios": ratios,
