@@ -94,11 +94,14 @@ def start_refusion(port: int, slots: int, threads: int | None) -> subprocess.Pop
     return proc
 
 
-def start_llama(binary: str, port: int, slots: int, threads: int, context: int, spec: str) -> subprocess.Popen:
+def start_llama(binary: str, port: int, slots: int, threads: int, context: int, spec: str,
+                repack: bool = True) -> subprocess.Popen:
     from refusion.model.loading import smollm2_gguf_path
 
     cmd = [binary, "-m", str(smollm2_gguf_path()), "--port", str(port), "-t", str(threads), "-np", str(slots),
            "-c", str(context * slots), "--temp", "0", "--log-disable", "--spec-type", spec]
+    if not repack:  # llama.cpp's weight repacking dies with SIGILL on some CPUs (an AMX Xeon here)
+        cmd.append("--no-repack")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_healthy(proc, f"http://127.0.0.1:{port}/health", "llama-server")
     return proc
@@ -185,6 +188,7 @@ def main() -> None:
     parser.add_argument("--library", action="store_true", help="also the preset in this process, one request at a time")
     parser.add_argument("--llama-server", default=None, help="a llama-server binary (llama.cpp) to compare with")
     parser.add_argument("--llama-threads", type=int, default=os.cpu_count())
+    parser.add_argument("--llama-no-repack", action="store_true", help="llama-server --no-repack")
     parser.add_argument("--llama-specs", default="none,ngram-simple",
                         help="llama-server --spec-type of each llama variant (none: plain decoding; ngram-simple: "
                              "its prompt lookup)")
@@ -218,7 +222,8 @@ def main() -> None:
         for clients in levels:
             requests = args.requests or max(2 * clients, 12)
             port = free_port()
-            llama = start_llama(args.llama_server, port, args.slots, args.llama_threads, 2048, spec)
+            llama = start_llama(args.llama_server, port, args.slots, args.llama_threads, 2048, spec,
+                                not args.llama_no_repack)
             try:
                 base = f"http://127.0.0.1:{port}"
                 asyncio.run(run_level(base, prompts, 1, 1, 16, {}))  # warm-up

@@ -46,8 +46,8 @@ def import_seconds(prompt: str) -> dict[str, float]:
         if not line.startswith("import time:") or len(fields) != 3 or fields[1].strip() == "cumulative":
             continue
         name = fields[2].rstrip()
-        if name == name.lstrip():  # a top-level entry (nested imports are indented)
-            totals[name.split(".")[0]] += int(fields[1]) / 1e6
+        if not name.startswith("  "):  # a top-level entry (nested imports are indented further)
+            totals[name.strip().split(".")[0]] += int(fields[1]) / 1e6
     return dict(sorted(totals.items(), key=lambda kv: -kv[1])[:8])
 
 
