@@ -21,7 +21,7 @@ does), or by a flat curve (`--flat-costs`: width free, as on a GPU). Policies:
 Modelled speed = (tokens x one-token cost) / (sum of each round's forward cost + a prefill priced as one token), so
 AR scores 1.00; it leaves out whatever a step costs besides its forward. Counts are deterministic for given costs
 (`--costs`; the probe's own vary from load to load). What the decoder measured, on held-out prompts:
-docs/BENCHMARKS.md, Current results: *Runner-up chains*. Ends with one JSON line.
+docs/archive/RESULTS-LEDGER.md: *Runner-up chains*. Ends with one JSON line.
 
     python benchmarks/draft_replay.py [--every 20] [--offset 7] [--max-new-tokens 128] [--flat-costs | --costs ...]
                                       [--policies chain,runner_up,choose,tree]

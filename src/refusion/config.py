@@ -251,7 +251,7 @@ PRESETS: dict[str, dict] = {
     "mbpp": dict(slot_size=32, slot_threshold=0.9, token_threshold=0.3, block_size=128),
     # the exact mode drafting from the text (prompt lookup, up to 8 copied tokens) and, when there is nothing to
     # copy, from the model's draft table (up to 16 tokens), without masks: on a 2-core AMX CPU the masks' drafts cost
-    # more than they gave (docs/BENCHMARKS.md, Current results: *Masks' drafts in the exact mode*); for plan and
+    # more than they gave (docs/archive/RESULTS-LEDGER.md: *Masks' drafts in the exact mode*); for plan and
     # infill, the fastest of a k x tau_slot sweep (*Plan and infill on refusion-smol*; tau_slot 0.3 was faster still
     # with v4 and v5 but looped more, on the README's own example among others). Both were chosen on the tuning
     # prompts that BENCHMARKS.md names under "Prompts".

@@ -9,7 +9,7 @@ CPU affinity; torch's own default where that is every core). An `OMP_NUM_THREADS
 
 On a machine shared with CPU-bound work, give the cores left free yourself (`OMP_NUM_THREADS`, or the server's
 `--threads`): torch's OpenMP threads spin while they wait for each other, and one without a core slows every
-parallel region several times over (docs/BENCHMARKS.md, Current results: *Busy machine*).
+parallel region several times over (docs/archive/RESULTS-LEDGER.md: *Busy machine*).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ of w tokens: a forward of B·w rows, each request padded to the widest), and a p
 a forward of its own: it usually shares a step that the other sequences take anyway, padding their requests to the
 plan's width. So the saving is priced as a whole plan forward with chance 1/B (the batch planning in step) and as
 that padding otherwise: at batch 1 a whole forward, as before; in a batch on a CPU, where rows cost compute, fusing
-stops paying (it lost to the unfused engine at batch 4: docs/BENCHMARKS.md, Current results: *Engine vs the
+stops paying (it lost to the unfused engine at batch 4: docs/archive/RESULTS-LEDGER.md: *Engine vs the
 authors' reference script*), while where width is nearly free (a GPU) it still does.
 """
 
@@ -47,12 +47,12 @@ PROBE_WIDTHS = (1, 4, 8, 16, 32, 64)
 """Forward widths `measure` times; other widths are interpolated (linearly, and beyond the last one extrapolated).
 64: a batch's forward counts every sequence's rows, and extrapolating from 16-32 rows, where the weights' bytes
 still dominate, priced wider forwards too low, so that batched fused planning was chosen where it lost (docs/
-BENCHMARKS.md, Current results: *Engine vs the authors' reference script*); it costs the embedded model ~0.24 s
+archive/RESULTS-LEDGER.md: *Engine vs the authors' reference script*); it costs the embedded model ~0.24 s
 more per load."""
 PROBE_REPEATS = 3
 """Timed forwards per width, after one untimed round; the fastest counts: a forward slowed by another process or
 the OS says nothing about the kernels, and one such forward in a median of two priced drafts too high for the whole
-process (docs/BENCHMARKS.md, Current results: *Cost-aware drafts*)."""
+process (docs/archive/RESULTS-LEDGER.md: *Cost-aware drafts*)."""
 PROBE_CONTEXT = 128
 """Tokens of cached context before the timed forwards (a prompt and part of its answer): each new row attends over
 them, a cost that grows with width (on refusion-smol in row-exact bf16 on an AVX512-BF16 EPYC, a 16-token decoding

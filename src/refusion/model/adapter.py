@@ -188,7 +188,7 @@ def truncate_rank(tensors: dict, config: dict, rank: int) -> tuple[dict, dict]:
     approximation (truncated SVD, computed in fp32), the scaling folded into B (lora_alpha = r = `rank`).
 
     A smaller rank is a cheaper forward wherever the update runs; for a mask-gated adapter that is every forward
-    with masks (docs/BENCHMARKS.md, Current results: *Rank of the shipped adapter*)."""
+    with masks (docs/archive/RESULTS-LEDGER.md: *Rank of the shipped adapter*)."""
     import torch
 
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:

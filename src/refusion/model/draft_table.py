@@ -10,7 +10,7 @@ the longest run of the text's last tokens that the table knows (a run of 4 says 
 one, and a single token is the last resort): the token after them, then the token after the new last tokens, and so
 on, while the product of the followers' frequencies stays at or above `min_confidence`. Longer runs, and single
 tokens as the last resort, each drafted more per forward than without them on refusion-smol's GSM8K tuning prompts
-(docs/BENCHMARKS.md, Current results: *Draft table*; the prompts are named in its "Prompts" section).
+(docs/archive/RESULTS-LEDGER.md: *Draft table*; the prompts are named in its "Prompts" section).
 
 Drafts from the table are verified like copied ones (`speculate.copied_drafts`): AR decoding still decides
 every token, so the table never changes the output, only how many tokens a forward commits. Each run also keeps

@@ -69,7 +69,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
     The exact mode commits a drafted token only where the model, verifying k tokens in one forward, predicts
     what AR decoding predicts one token at a time; on the CPU that holds bit for bit in row-exact bf16 (packed
     products, `default_attention`), and there wide forwards are also nearly free, where in fp32 they cost more
-    (docs/BENCHMARKS.md, Current results: *Row-exact bf16: cost of width*)."""
+    (docs/archive/RESULTS-LEDGER.md: *Row-exact bf16: cost of width*)."""
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.bfloat16 if packing_available() and packed_rows_match() else torch.float32

@@ -24,7 +24,7 @@ class TableDrafter(Drafter):
 
     The second chain is verified only greedily (at temperature > 0 one chain keeps the sampling rule simple), without
     a grammar (which masks one chain), and alone: a batch's steps are its slowest sequence's, and at batch 4 on the
-    held-out groups the second chain saved no forward (docs/BENCHMARKS.md, Current results: *Runner-up chains*)."""
+    held-out groups the second chain saved no forward (docs/archive/RESULTS-LEDGER.md: *Runner-up chains*)."""
 
     name = "table"
 

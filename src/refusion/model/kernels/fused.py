@@ -4,7 +4,7 @@ On the CPU a decoding forward of a small model is a few rows through many small 
 has a fixed cost besides its weights' bytes (tens of microseconds for a oneDNN call on packed bf16 weights, even
 for one row). A `FusedProduct` multiplies once by the members' weights stacked along the output features and
 hands each member its columns, with a mask-gated adapter's update added to its own member's columns
-(`MaskGatedLoRA.add_update`). Measured: docs/BENCHMARKS.md, Current results: *Fused products* (the kernel
+(`MaskGatedLoRA.add_update`). Measured: docs/archive/RESULTS-LEDGER.md: *Fused products* (the kernel
 calls themselves: the journal, "Fused products, fp64 KV entries, llama.cpp again").
 
 A product over more output features only gives each member's own bits when the kernel sums every output over

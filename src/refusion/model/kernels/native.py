@@ -12,7 +12,7 @@ writes them, and exact attention over the cache's fp64 entries (products of bf16
 order of its own, which does not change an exact sum; ATen's own sum and softmax for the reductions whose order does
 matter). SiLU and sdpa stay ATen's. Its logits are the Python loop's bit for bit (tests/model/test_native.py), so
 every guarantee of the compact forward (transformers' logits, rows as they would be alone) holds unchanged; measured
-in docs/BENCHMARKS.md, Current results: *Native decoder layers*.
+in docs/archive/RESULTS-LEDGER.md: *Native decoder layers*.
 
 It applies to models on the CPU, under inference (no autograd), whose attention is exact attention (the row-exact
 setup, the default where bf16 products are exact) or transformers' sdpa (the fp32 default elsewhere), whose products

@@ -5,7 +5,7 @@ weight into the layout its kernel streams (packing), on every call; decoding for
 infill's blocks and slots, the exact mode's drafts, a batch) pay that copy each time. `torch.ops.mkl` packs a
 weight once (`_mkl_reorder_linear_weight`) and multiplies by the packed copy (`_mkl_linear`): on a 2-core AMX
 Xeon the layer products of SmolLM2-135M's shape at 32 rows cost 0.59 ms per layer packed against 0.92 ms plain,
-and the LM head 8.5 ms against 10.1 (docs/BENCHMARKS.md, Current results: *Packed fp32 products*).
+and the LM head 8.5 ms against 10.1 (docs/archive/RESULTS-LEDGER.md: *Packed fp32 products*).
 
 At most row counts that decoding uses the packed product is `F.linear` bit for bit: the same kernel, the same order
 of summation (on that machine, for SmolLM2-135M's matrices: 16-56 rows for every one of them, from 4 rows for the
