@@ -107,6 +107,8 @@ def main() -> None:
     if args.gen_length % PAPER["block_size"]:
         raise SystemExit(f"against_authors: error: --gen-length must be a multiple of {PAPER['block_size']}")
 
+    from harness import cpu_name  # here, not at the top: the worker runs in the authors' interpreter
+
     import refusion
 
     torch.set_num_threads(args.threads)
@@ -163,7 +165,7 @@ def main() -> None:
     summary = {
         "benchmark": "against_authors", "model": "random Qwen3, ~60M", "dtype": "float32", "prompts": len(prompts),
         "gen_length": args.gen_length, "settings": PAPER, "threads": args.threads, "torch": torch.__version__,
-        "machine": platform.machine(), "cpu": _cpu_name(), "repeats": args.repeats,
+        "machine": platform.machine(), "cpu": cpu_name(), "repeats": args.repeats,
         "tokens": tokens, "seconds": total, "refusion_forwards": forwards,
         "tokens_per_second": {name: tokens[name] / total[name] for name in sides},
         "identical_to_authors": {name: sum(a == b for a, b in zip(answers[name], answers["authors"]))
@@ -174,13 +176,6 @@ def main() -> None:
     }
     print(json.dumps(summary))
 
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 if __name__ == "__main__":

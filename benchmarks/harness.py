@@ -160,6 +160,15 @@ def conditions() -> dict:
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
+def cpu_name() -> str:
+    """The CPU's model name (what a number is reported with, beside `lscpu`'s flags in docs/BENCHMARKS.md)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
 def emit(report: dict) -> None:
     """The benchmark's last line: its report as one JSON line."""
     print(json.dumps(report), flush=True)

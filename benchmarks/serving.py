@@ -24,13 +24,13 @@ import asyncio
 import glob
 import json
 import os
-import platform
 import statistics
 import subprocess
 import time
 from pathlib import Path
 
 import httpx
+from harness import cpu_name
 from serve_load import MAX_SECONDS, free_port, percentiles
 
 FRESH_REQUESTS = (
@@ -156,6 +156,13 @@ async def run_level(base: str, prompts: list[str], clients: int, requests: int, 
             "ttft": percentiles([r["ttft"] for r in results]), "itl": percentiles([r["itl"] for r in results])}
 
 
+def show(name: str, r: dict) -> dict:
+    """Print one level's line as it is measured; returns the level."""
+    print(f"{name:15s} clients {r['clients']:3d}: {r['output_tokens_per_second']:7.1f} tokens/s, "
+          f"TTFT p50 {r['ttft']['p50']:.2f} s, ITL p50 {1000 * r['itl']['p50']:.1f} ms", flush=True)
+    return r
+
+
 def library_rate(prompts: list[str], requests: int, max_tokens: int, threads: int | None) -> dict:
     """The preset decoding the 1-client level's requests one by one in this process (`refusion.generate`): what
     the server at one client is compared with."""
@@ -209,10 +216,8 @@ def main() -> None:
             requests = args.requests or max(2 * clients, 12)
             for name, extra in variants.items():
                 time.sleep(0.5)
-                results[name].append(asyncio.run(run_level(base, prompts, clients, requests, args.max_tokens, extra)))
-                r = results[name][-1]
-                print(f"{name:15s} clients {clients:3d}: {r['output_tokens_per_second']:7.1f} tokens/s, "
-                      f"TTFT p50 {r['ttft']['p50']:.2f} s, ITL p50 {1000 * r['itl']['p50']:.1f} ms", flush=True)
+                results[name].append(show(name, asyncio.run(run_level(base, prompts, clients, requests,
+                                                                      args.max_tokens, extra))))
     finally:
         server.terminate()
         server.wait()
@@ -227,10 +232,8 @@ def main() -> None:
             try:
                 base = f"http://127.0.0.1:{port}"
                 asyncio.run(run_level(base, prompts, 1, 1, 16, {}))  # warm-up
-                results[name].append(asyncio.run(run_level(base, prompts, clients, requests, args.max_tokens, {})))
-                r = results[name][-1]
-                print(f"{name:15s} clients {clients:3d}: {r['output_tokens_per_second']:7.1f} tokens/s, "
-                      f"TTFT p50 {r['ttft']['p50']:.2f} s, ITL p50 {1000 * r['itl']['p50']:.1f} ms", flush=True)
+                results[name].append(show(name, asyncio.run(run_level(base, prompts, clients, requests,
+                                                                      args.max_tokens, {}))))
             finally:
                 llama.terminate()
                 llama.wait()
@@ -244,16 +247,9 @@ def main() -> None:
                                               / results["library"]["output_tokens_per_second"])
     print(json.dumps({"benchmark": "serving", "model": info.get("data", [{}])[0], "prompts": len(prompts),
                       "max_tokens": args.max_tokens, "slots": args.slots, "threads": args.threads,
-                      "cpu": _cpu_name(), "results": results, "ratios": ratios,
+                      "cpu": cpu_name(), "results": results, "ratios": ratios,
                       "time": time.strftime("%Y-%m-%dT%H:%M:%S")}))
 
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 if __name__ == "__main__":

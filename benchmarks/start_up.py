@@ -16,13 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import platform
 import re
 import statistics
 import subprocess
 import sys
 import time
 from collections import defaultdict
+
+from harness import cpu_name
 
 MAIN_PROMPT = "Write a Python function that returns the square of a number."
 """The README's main command's prompt."""
@@ -85,19 +86,12 @@ def main() -> None:
         for p in spinners:
             p.join()
     print(json.dumps({
-        "benchmark": "start_up", "cpu": _cpu_name(), "busy": args.busy, "runs": args.runs,
+        "benchmark": "start_up", "cpu": cpu_name(), "busy": args.busy, "runs": args.runs,
         "first_token_seconds": {"min": min(seconds), "median": statistics.median(seconds), "all": seconds},
         "import_seconds": imports, "answers": args.answers,
         "same_answer": len({a for a, _ in answers}) == 1, "same_counts": len({c for _, c in answers}) == 1,
         "counts": answers[0][1], "time": time.strftime("%Y-%m-%dT%H:%M:%S")}))
 
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 if __name__ == "__main__":
