@@ -65,6 +65,7 @@ def test_the_folders_beside_the_project_then_the_hub_copies(nowhere, sample_data
 
 
 def test_offline_or_without_datasets_the_error_says_where_it_looked(nowhere, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # CI sets it: the message names the first setting found
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(FileNotFoundError) as e:
         list(builtin_train_pairs("gsm8k"))
