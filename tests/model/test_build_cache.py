@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from refusion import cache_dirs
 from refusion.model import build_cache, loading
 from refusion.model.setup import setup_of
 
@@ -148,9 +149,9 @@ def test_plain_directories_are_not_cached(tiny_model_dir, cache_dir):
 
 def test_cache_location(monkeypatch, tmp_path):
     monkeypatch.setenv("REFUSION_CACHE", str(tmp_path))
-    assert build_cache.cache_root() == tmp_path / "models"
+    assert cache_dirs.cache_root() == tmp_path / "models"
     monkeypatch.setenv("REFUSION_CACHE", "off")
-    assert build_cache.cache_root() is None
+    assert cache_dirs.cache_root() is None
     monkeypatch.delenv("REFUSION_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert build_cache.cache_root() == tmp_path / "xdg" / "refusion" / "models"
+    assert cache_dirs.cache_root() == tmp_path / "xdg" / "refusion" / "models"

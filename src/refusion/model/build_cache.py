@@ -30,7 +30,7 @@ from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
-from refusion.cache_dirs import CACHE_ENV, OFF_VALUES, cache_root  # noqa: F401  (re-exported: the cache's home)
+from refusion.cache_dirs import cache_root
 
 FORMAT = 1
 """Bump when what is built (or how it is saved) changes, so that older entries are rebuilt."""

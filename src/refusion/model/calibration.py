@@ -27,10 +27,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from refusion.model import build_cache
+from refusion.cache_dirs import cache_root
 
 RECORD_FILE = "calibration.json"
-"""The record's file name, beside the models' directory (`build_cache.cache_root()`: ~/.cache/refusion/)."""
+"""The record's file name, beside the models' directory (`cache_dirs.cache_root()`: ~/.cache/refusion/)."""
 FORMAT = 1
 """Bump when what is recorded changes meaning, so that older records are measured again."""
 
@@ -72,7 +72,7 @@ class ForwardCosts:
 
 def record_path() -> Path | None:
     """Where the record lives; None when the model cache is off."""
-    root = build_cache.cache_root()
+    root = cache_root()
     return root.parent / RECORD_FILE if root is not None else None
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from refusion.model.build_cache import OFF_VALUES
+from refusion.cache_dirs import OFF_VALUES
 
 SOURCE = Path(__file__).parent / "csrc" / "decoder_layers.cpp"
 EXTENSION = "refusion_native"
