@@ -1,6 +1,8 @@
 """The cost-aware draft count: forward costs by width, acceptance by depth, and the count that maximizes tokens
 per second; in the exact mode it changes how many drafts a round verifies, never the output."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -67,8 +69,33 @@ def test_in_a_batch_the_step_prices_every_sequences_rows():
     costs = ForwardCosts((1, 4, 16, 64), (1.0, 1.1, 5.0, 20.0))
     assert best_draft_count(3, sure, costs) == 3  # 3.9 tokens for 1.1: alone
     offer = tuple((1, c) for c in chances(3, sure))
-    assert draft_counts([offer], rows=1, tokens=1, costs=costs) == [3]
-    assert draft_counts([offer] * 4, rows=4, tokens=4, costs=costs) == [0] * 4  # 15.5 tokens for 5.0 / 4 for 1.1
+    assert draft_counts([(1, offer)], [], costs) == [3]
+    assert draft_counts([(1, offer)] * 4, [], costs) == [0] * 4  # 15.5 tokens for 5.0 / 4 for 1.1
+
+
+def test_in_a_batch_the_step_prices_the_padding_to_the_widest_sequence():
+    """Real rows nearly free (the weights' bytes), padding priced by `padded_row`. One sequence of four with 7 sure
+    drafts verifies them all where padding is free, and none where a padding row costs a step (its 7 drafts would
+    pad the three others by 21 rows); four such sequences fill each other's rows and all draft; beside a 6-token
+    prefill, which pads the step anyway, the sequence verifies the 5 drafts that fit in its width."""
+    sure = AcceptanceByDepth()
+    for _ in range(50):
+        sure.record(drafted=8, accepted=8)
+    chain = tuple((1, c) for c in chances(7, sure))
+    free = ForwardCosts((1, 64), (1.0, 1.5))
+    costly = replace(free, padded_row=1.0)
+    assert costly.of_batch(10, 4, 4) == costly.of(10) + 6.0
+    assert replace(free, masking=0.5).of_batch(4, 4, 1) == free.of(4)  # an AR step: no mask
+    assert draft_counts([(1, chain)], [1, 1, 1], free) == [7]
+    assert draft_counts([(1, chain)], [1, 1, 1], costly) == [0]
+    assert draft_counts([(1, chain)] * 4, [], costly) == [7] * 4
+    assert draft_counts([(1, chain)], [6, 1, 1], costly) == [5]
+
+
+def test_the_probe_prices_a_padding_row_of_a_batch():
+    model = tiny_model("llama")
+    costs = measure(model, plain_setup(model), widths=(1, 4, 16), repeats=2)
+    assert costs.padded_row >= 0 and costs.masking >= 0 and ForwardCosts.from_dict(costs.to_dict()) == costs
 
 
 def test_measured_costs_are_one_per_probed_width_and_never_fall_with_width():
@@ -121,7 +148,7 @@ def test_the_cost_aware_count_changes_the_drafts_never_the_output():
 
 
 def test_the_probe_times_decoding_forwards_after_a_cached_context(monkeypatch):
-    """The probe's forwards are a decoder's: a one-token check, the context's prefill, then each timed width at the
+    """The probe's forwards are a decoder's: a one-token check (after an untimed one), the context's prefill, then each timed width at the
     positions after the context, over a cache holding the context alone (what the exact mode's verify forwards see)."""
     model = tiny_model("llama")
     seen = []
@@ -136,8 +163,10 @@ def test_the_probe_times_decoding_forwards_after_a_cached_context(monkeypatch):
     monkeypatch.setattr(CachedForward, "__call__", spy)
     costs = measure(model, plain_setup(model), widths=(1, 4, 16), repeats=2, context=24)
     assert costs.widths == (1, 4, 16)
-    assert seen[:2] == [(1, 0, 0), (24, 0, 0)]
-    assert seen[2:] == [(w, 24, 24) for w in (1, 4, 16)] * 3  # an untimed round, then two timed ones
+    assert seen[:3] == [(1, 0, 0), (1, 0, 0), (24, 0, 0)]  # untimed, timed, the context
+    assert seen[3:12] == [(w, 24, 24) for w in (1, 4, 16)] * 3  # an untimed round, then two timed ones
+    # batch extras: four sequences' contexts, then one token each, the first holding 2, 16 (the others 1), 3 rounds
+    assert seen[12:] == [(24, 0, 0)] + [(1, 24, 24), (2, 24, 24), (16, 24, 24)] * 3
 
 
 def test_a_plain_model_measures_nothing():

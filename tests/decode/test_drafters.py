@@ -54,7 +54,7 @@ def test_one_sequence_with_one_chain_drafts_as_best_draft_count_says():
         for _ in range(6):
             record.record(6, accepted)
         chances = [expected_tokens(i, record) - expected_tokens(i - 1, record) for i in range(1, 7)]
-        assert draft_counts([tuple((1, c) for c in chances)], 1, 1, costs) == [best_draft_count(6, record, costs)]
+        assert draft_counts([(1, tuple((1, c) for c in chances))], [], costs) == [best_draft_count(6, record, costs)]
 
 
 def test_the_step_takes_the_drafts_that_pay_across_the_batch():
@@ -63,17 +63,17 @@ def test_the_step_takes_the_drafts_that_pay_across_the_batch():
     the other's first draft too; where width is free it verifies all; where a row costs a forward, none."""
     costs = ForwardCosts((1, 4, 16), (1.0, 1.1, 3.0))
     offers = [((1, 0.98), (1, 0.96), (1, 0.94)), ((1, 0.3), (1, 0.09))]
-    assert draft_counts(offers, rows=2, tokens=2, costs=costs) == [3, 0]
-    assert draft_counts(offers, rows=2, tokens=2, costs=FLAT) == [3, 2]
-    assert draft_counts(offers, rows=2, tokens=2, costs=ForwardCosts((1, 2, 32), (1.0, 2.0, 32.0))) == [0, 0]
-    assert draft_counts([(), ()], rows=2, tokens=2, costs=FLAT) == [0, 0]
+    assert draft_counts([(1, o) for o in offers], [], costs) == [3, 0]
+    assert draft_counts([(1, o) for o in offers], [], FLAT) == [3, 2]
+    assert draft_counts([(1, o) for o in offers], [], ForwardCosts((1, 2, 32), (1.0, 2.0, 32.0))) == [0, 0]
+    assert draft_counts([(1, ()), (1, ())], [], FLAT) == [0, 0]
 
 
 def test_a_costly_first_item_is_taken_with_the_gain_behind_it():
     """Items are taken in order: a block of mask rows worth 2 tokens behind a weak draft is bought with it."""
     costs = ForwardCosts((1, 8), (1.0, 1.7))  # 0.1 per row
-    assert draft_counts([((1, 0.05), (4, 2.0))], rows=1, tokens=1, costs=costs) == [2]
-    assert draft_counts([((1, 0.05), (4, 0.2))], rows=1, tokens=1, costs=costs) == [0]
+    assert draft_counts([(1, ((1, 0.05), (4, 2.0)))], [], costs) == [2]
+    assert draft_counts([(1, ((1, 0.05), (4, 0.2)))], [], costs) == [0]
 
 
 PROMPTS = [[1, 5, 7, 9, 5, 7, 9, 5, 7], [3, 4, 3, 4, 3, 4, 3], [9], [12, 13, 14, 15, 16], [1, 5, 7, 9],

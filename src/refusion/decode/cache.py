@@ -12,7 +12,8 @@ ReFusion needs two things from a cache that an ordinary left-to-right cache does
 Both are served by one preallocated buffer per layer, ``[batch, kv_heads, capacity, head_dim]``, and two
 metadata tensors per column: ``owner`` (EMPTY, CONTEXT, or the group id of a pending entry) and ``pos``
 (the entry's position id). A query of group g sees every CONTEXT entry, the pending entries of group g
-written before it, and itself. Rows of parallel completion are groups; plan and verification forwards
+written before it, and itself (a padding query, which only fills a batch's rows to the widest, sees its row's
+padding alone). Rows of parallel completion are groups; plan and verification forwards
 use group 0. A query may also read the pending entries of every *lower* group up to a position id of its
 own (``lower_upto``): this is how a forward carries branches that build on other groups' tokens (the fused
 plan's masks read every completed row; speculative pre-drafts read a prefix of the draft chain). Pending entries are then committed (become CONTEXT), retained, or dropped by position id, so
@@ -255,7 +256,9 @@ class SlotCache:
         query_col = self._columns if self.static else key_col[self.used:]  # [T]
         earlier = key_col <= query_col[:, None]  # [T, L]
         query_group = groups[:, :, None]  # [B, T, 1]
-        visible = (owner == CONTEXT) | ((owner == query_group) & earlier)  # [B, T, L]
+        # a padding query sees its row's padding alone (never empty; what it computes is dropped), not the context:
+        # exact attention then skips the context's columns for it (a padding row cost as much as a real one)
+        visible = ((owner == CONTEXT) & (query_group != PADDING)) | ((owner == query_group) & earlier)  # [B, T, L]
         if lower_upto is not None:
             lower = (owner >= 0) & (owner < query_group) & (self.pos[:, None, :total] <= lower_upto[:, :, None])
             visible |= lower & earlier

@@ -6,7 +6,9 @@ the forward, and what width costs depends on the kernels: packed bf16 products o
 and a GPU should pay little for it (not measured yet). So how far each sequence drafts is chosen from two
 measurements:
 
-* `ForwardCosts`: seconds of a batch-1 decoding forward of each width after a cached context, timed once per
+* `ForwardCosts`: seconds of a batch-1 decoding forward of each width after a cached context, and what each padding
+  row adds to a batched forward (sequences are padded to the widest: on the embedded model, in a batch of 8 one
+  sequence verifying 15 drafts cost ~3x a plain AR step, where its 15 rows alone cost ~1.3x), timed once per
   machine and model (`measure`) and recorded (`model.calibration`): every later process reads the record
   (`forward_costs_of`, called by the decoder), so the draft counts, and with them the forward counts, are the
   same in every process however busy the machine is;
@@ -14,8 +16,8 @@ measurements:
   depth i was accepted once the drafts before it were (a Beta(1, 1) prior: 1/2 before anything is seen).
 
 `draft_counts` decides once per step, for every sequence of the batch together, which drafts the step's forward
-verifies: those that maximize the batch's expected committed tokens per second of that forward, its width counted
-over every sequence's rows; where none pays, every sequence takes a plain AR step. For one sequence with one chain it
+verifies: those that maximize the batch's expected committed tokens per second of that forward, its cost counted
+over every sequence's rows and the padding to the widest; where none pays, every sequence takes a plain AR step. For one sequence with one chain it
 gives `best_draft_count`'s count n, the one that maximizes (1 + sum over i <= n of the chance that the first i drafts
 are accepted) / cost(n + 1). Verifying fewer drafts never changes what is committed (the exact mode commits AR
 decoding's tokens whatever it drafts), only how fast.
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -58,6 +60,15 @@ PROBE_CONTEXT = 128
 them, a cost that grows with width (on refusion-smol in row-exact bf16 on an AVX512-BF16 EPYC, a 16-token decoding
 forward costs 1.7x a one-token one, where forwards without a context measured 1.2x: docs/BENCHMARKS.md, Current
 results: *Forward costs with a context*)."""
+PROBE_VERSION = 2
+"""Part of the record's key: bump when `measure` changes what it reports, so that older records are measured again.
+2: the one-token forward that decides whether to probe at all is timed after an untimed one (a process's first
+forward, which sets its kernels up, took over MAX_PROBE_SECONDS for the embedded model, and None was recorded: no
+draft was ever priced)."""
+PAD_PROBE_BATCH = 4
+"""Sequences of the forwards that time padding (`batch_extras`)."""
+PAD_PROBE_WIDTH = 16
+"""The widest sequence's tokens in the forward that times padding: the others are padded to it."""
 MAX_PROBE_SECONDS = 0.25
 """A model whose one-token forward takes longer than this is not probed (its forwards are bound by reading the
 weights, so width is nearly free: no cut)."""
@@ -85,7 +96,8 @@ def recorded_costs(model, setup) -> ForwardCosts | None:
 
     key = {"model": calibration.structure_key(model), "kernels": [setup.kernels.linear, setup.kernels.attention],
            "compact": setup.compact, "native": native_available(), "device": str(next(model.parameters()).device),
-           "probe": {"widths": list(PROBE_WIDTHS), "repeats": PROBE_REPEATS, "context": PROBE_CONTEXT}}
+           "probe": {"widths": list(PROBE_WIDTHS), "repeats": PROBE_REPEATS, "context": PROBE_CONTEXT,
+                     "padding": [PAD_PROBE_BATCH, PAD_PROBE_WIDTH], "version": PROBE_VERSION}}
 
     def measured() -> dict | None:
         costs = measure(model, setup)
@@ -121,6 +133,8 @@ def measure(model, setup, widths: tuple[int, ...] = PROBE_WIDTHS, repeats: int =
         run(cache, ids[None, start: start + width], positions, torch.zeros_like(positions), None, [width], [width])
         return time.perf_counter() - begin
 
+    forward(0, 1)  # untimed: a process's first forward also pays for setting its kernels up
+    cache.discard(0)
     if forward(0, 1) > MAX_PROBE_SECONDS:
         return None
     cache.discard(0)
@@ -142,7 +156,56 @@ def measure(model, setup, widths: tuple[int, ...] = PROBE_WIDTHS, repeats: int =
     seconds = [min(times[w]) for w in widths]
     for i in range(1, len(seconds)):  # a wider forward never costs less (noise aside)
         seconds[i] = max(seconds[i], seconds[i - 1])
-    return ForwardCosts(tuple(widths), tuple(seconds))
+    costs = ForwardCosts(tuple(widths), tuple(seconds))
+    padded_row, masking = batch_extras(run, costs, vocab, repeats, context)
+    return replace(costs, padded_row=padded_row, masking=masking)
+
+
+def batch_extras(run, costs: ForwardCosts, vocab: int, repeats: int = PROBE_REPEATS, context: int = PROBE_CONTEXT,
+                 batch: int = PAD_PROBE_BATCH, width: int = PAD_PROBE_WIDTH) -> tuple[float, float]:
+    """(padding row, masking): what a batched forward pays beyond its real rows (`costs`, timed at batch 1).
+    `batch` sequences after `context` cached tokens each are timed with one token each (an AR step: no mask), then
+    with the first holding 2 tokens, then `width` (the others padded to it), interleaved `repeats` times after an
+    untimed round, fastest of each. The padding row: what the third adds beyond the second and their extra real rows,
+    per extra padding row; masking: what the second adds beyond the first, its one more real row and its padding.
+    Neither below 0."""
+    from refusion.decode.loop import padded_inputs
+    from refusion.decode.sequence import Forward
+
+    device = run.device
+    cache = run.new_cache(context + width + 1)
+    for b in range(batch):
+        cache.add_sequence(b)
+    ids = torch.arange(context + width, device=device).remainder(vocab)
+    zeros = torch.zeros(context + width, dtype=torch.long, device=device)
+
+    def forward(start: int, counts: list[int]) -> float:
+        requests = [Forward(ids[start: start + n], torch.arange(start, start + n, device=device), zeros[:n])
+                    for n in counts]
+        inputs = padded_inputs(requests, max(counts), False, device)
+        begin = time.perf_counter()
+        run(cache, *inputs, counts, counts)
+        return time.perf_counter() - begin
+
+    if context:
+        forward(0, [context] * batch)
+        for b in range(batch):
+            cache.commit(b, torch.arange(context, device=device))
+    shapes = ([1] * batch, [2] + [1] * (batch - 1), [width] + [1] * (batch - 1))
+    times: list[list[float]] = [[] for _ in shapes]
+    for round_ in range(repeats + 1):
+        for i, counts in enumerate(shapes):
+            seconds = forward(context, counts)
+            for b in range(batch):
+                cache.discard(b)
+            if round_:
+                times[i].append(seconds)
+    plain, two, wide = (min(t) for t in times)
+    rows = [sum(counts) for counts in shapes]
+    padding = [batch * max(counts) - n for counts, n in zip(shapes, rows)]
+    padded_row = max(wide - two - (costs.of(rows[2]) - costs.of(rows[1])), 0.0) / (padding[2] - padding[1])
+    masking = max(two - plain - (costs.of(rows[1]) - costs.of(rows[0])) - padded_row * padding[1], 0.0)
+    return padded_row, masking
 
 
 @dataclass
@@ -234,36 +297,48 @@ def best_draft_count(available: int, acceptance: AcceptanceByDepth, costs: Forwa
     return best
 
 
-def draft_counts(offers: list[tuple[tuple[int, float], ...]], rows: int, tokens: float,
+def draft_counts(offers: list[tuple[int, tuple[tuple[int, float], ...]]], others: list[int],
                  costs: ForwardCosts) -> list[int]:
     """How many items of each sequence's offer one step's forward verifies: the choice with the most expected
     committed tokens per second of that forward.
 
-    The forward holds `rows` rows whatever is drafted (every sequence's next token, prefills, plans) and commits
-    `tokens` for certain (one per sequence). Item j of an offer (`sequence.DraftOffer`) adds its rows and, in
-    expectation, its gain in committed tokens (a draft: the chance that it and every draft before it are accepted,
-    from its drafter's statistics); an item is taken only with the items before it. The rule: merge each offer's
-    items into blocks whose gain per row does not grow along the offer (a block is taken whole), order every
-    sequence's blocks by gain per row, and take the prefix of that order that maximizes
-    (tokens + its gains) / cost(rows + its rows); the empty prefix (plain AR for every sequence) unless a longer one
-    is strictly better. One sequence with one chain gets `best_draft_count`'s answer."""
-    blocks = []  # (gain per row, sequence, items, rows, gain)
-    for index, items in enumerate(offers):
+    `offers`: each offering sequence's (width, items) (`sequence.DraftOffer`): the tokens its forward holds whatever
+    it drafts, and what each item adds: its rows and, in expectation, its gain in committed tokens (a draft: the
+    chance that it and every draft before it are accepted, from its drafter's statistics); an item is taken only
+    with the items before it. `others`: the widths of the step's other sequences (prefills, plans, AR steps). Every
+    sequence commits one token for certain. The forward's cost counts its real rows and its padding: every sequence
+    is padded to the widest (`ForwardCosts.of_batch`), so a sequence drafting alone makes the others pay padding.
+
+    The rule: merge each offer's items into blocks whose gain per row does not grow along the offer (a block is
+    taken whole) and order every sequence's blocks by gain per row; for each width the forward could have, take the
+    prefix of that order (of the blocks that fit in it) that maximizes (tokens + its gains) / cost; the best over
+    the widths. Plain AR for every sequence unless some choice is strictly better. One sequence with one chain gets
+    `best_draft_count`'s answer."""
+    widths = [width for width, _ in offers] + list(others)
+    batch, base_rows, base_width = len(widths), sum(widths), max(widths, default=1)
+    tokens = float(batch)
+    blocks = []  # (gain per row, sequence, items, rows, gain, the sequence's width with it)
+    for index, (width, items) in enumerate(offers):
         hull: list[list] = []  # [items, rows, gain] with non-increasing gain per row
         for item_rows, gain in items:
             hull.append([1, item_rows, gain])
             while len(hull) > 1 and hull[-1][2] * hull[-2][1] > hull[-2][2] * hull[-1][1]:
                 count, block_rows, block_gain = hull.pop()
                 hull[-1] = [hull[-1][0] + count, hull[-1][1] + block_rows, hull[-1][2] + block_gain]
-        blocks += [(gain / max(block_rows, 1), index, count, block_rows, gain) for count, block_rows, gain in hull]
+        for count, block_rows, gain in hull:
+            width += block_rows
+            blocks.append((gain / max(block_rows, 1), index, count, block_rows, gain, width))
     blocks.sort(key=lambda b: -b[0])  # stable: an offer's blocks keep their order
-    best, best_rate, added_rows, added_gain = 0, tokens / costs.of(rows), 0, 0.0
-    for taken, (_, _, _, block_rows, gain) in enumerate(blocks, 1):
-        added_rows, added_gain = added_rows + block_rows, added_gain + gain
-        rate = (tokens + added_gain) / costs.of(rows + added_rows)
-        if rate > best_rate:
-            best, best_rate = taken, rate
+    best, best_rate = [], tokens / costs.of_batch(base_rows, batch, base_width)
+    for limit in sorted({base_width, *(b[5] for b in blocks if b[5] > base_width)}):
+        fitting = [b for b in blocks if b[5] <= limit]
+        rows, gain, widest = base_rows, tokens, base_width
+        for taken, block in enumerate(fitting, 1):
+            rows, gain, widest = rows + block[3], gain + block[4], max(widest, block[5])
+            rate = gain / costs.of_batch(rows, batch, widest)
+            if rate > best_rate:
+                best, best_rate = fitting[:taken], rate
     counts = [0] * len(offers)
-    for _, index, count, _, _ in blocks[:best]:
+    for _, index, count, _, _, _ in best:
         counts[index] += count
     return counts

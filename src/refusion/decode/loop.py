@@ -135,10 +135,9 @@ class Decoder:
         offering = [r for r in self.live.values() if isinstance(r.request, DraftOffer)]
         if not offering:
             return
-        rows = sum(r.request.width if isinstance(r.request, DraftOffer) else r.request.tokens.numel()
-                   for r in self.live.values())
+        others = [r.request.tokens.numel() for r in self.live.values() if not isinstance(r.request, DraftOffer)]
         costs = offering[0].seq.forward_costs  # a program offers only where its costs are known: the decoder's own
-        counts = draft_counts([r.request.items for r in offering], rows, len(self.live), costs)
+        counts = draft_counts([(r.request.width, r.request.items) for r in offering], others, costs)
         for running, count in zip(offering, counts):
             try:
                 running.request = running.program.send(count)

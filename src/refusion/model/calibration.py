@@ -43,12 +43,20 @@ class CalibrationWarning(UserWarning):
 
 @dataclass(frozen=True)
 class ForwardCosts:
-    """Seconds of a batch-1 forward by width, measured on one model, its kernels and this machine."""
+    """Seconds of a decoding forward by width (batch 1) and what padding adds in a batch, measured on one model,
+    its kernels and this machine."""
 
     widths: tuple[int, ...]
     """The widths timed, increasing, starting at 1."""
     seconds: tuple[float, ...]
     """Seconds of a forward of each of those widths (the fastest of the probe's repeats)."""
+    padded_row: float = 0.0
+    """Seconds each padding row adds to a batched forward: sequences of different widths are padded to the widest,
+    and where the real rows alone go through the linear layers (the compact forward on a CPU), attention still runs
+    over the padded layout. 0: padding is free (or was not measured)."""
+    masking: float = 0.0
+    """Seconds a batched forward with a mask (some sequence holding more than one token) costs beyond one without:
+    an AR step over a plain context needs no mask. In `seconds` already at batch 1 (width 1 needs none, 4 does)."""
 
     def of(self, width: int) -> float:
         """Seconds of a forward of `width` tokens (interpolated between the measured widths)."""
@@ -59,15 +67,23 @@ class ForwardCosts:
                 return s0 + (s1 - s0) * (width - w0) / (w1 - w0)
         return seconds[0]
 
+    def of_batch(self, rows: int, batch: int, widest: int) -> float:
+        """Seconds of a forward of `batch` sequences holding `rows` real tokens, padded to the `widest`."""
+        masked = batch > 1 and widest > 1
+        return self.of(rows) + self.padded_row * max(batch * widest - rows, 0) + self.masking * masked
+
     def describe(self) -> str:
-        return ", ".join(f"{w}: {s * 1e3:.1f} ms" for w, s in zip(self.widths, self.seconds))
+        widths = ", ".join(f"{w}: {s * 1e3:.1f} ms" for w, s in zip(self.widths, self.seconds))
+        return f"{widths}; in a batch, padding row {self.padded_row * 1e3:.2f} ms, mask {self.masking * 1e3:.1f} ms"
 
     def to_dict(self) -> dict:
-        return {"widths": list(self.widths), "seconds": list(self.seconds)}
+        return {"widths": list(self.widths), "seconds": list(self.seconds), "padded_row": self.padded_row,
+                "masking": self.masking}
 
     @classmethod
     def from_dict(cls, value: dict) -> ForwardCosts:
-        return cls(tuple(int(w) for w in value["widths"]), tuple(float(s) for s in value["seconds"]))
+        return cls(tuple(int(w) for w in value["widths"]), tuple(float(s) for s in value["seconds"]),
+                   float(value.get("padded_row", 0.0)), float(value.get("masking", 0.0)))
 
 
 def record_path() -> Path | None:

@@ -664,18 +664,19 @@ Tensor fused_exact_attention(const Tensor& q, const Tensor& keys, const Tensor& 
     for (int64_t r = begin; r < end; ++r) {
       int64_t b = r / (heads * width), h = r / width % heads, t = r % width, g = h / groups;
       float* out = sd + r * span;
-      int64_t seen = length;  // columns up to the last one the row sees
+      int64_t first = 0, seen = length;  // columns from the first to the last one the row sees
       if (mask) {
         AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, mask_type, "mask", [&] {
           const scalar_t* row = m.const_data_ptr<scalar_t>() + b * mb + t * mt;
           for (int64_t j = 0; j < length; ++j) masked[j] = static_cast<double>(row[j]);
         });
         while (seen > 0 && (masked[seen - 1] <= lowest)) --seen;
+        while (first < seen && (masked[first] <= lowest)) ++first;  // a padding row sees its own columns alone
       }
-      key_dots(qd + ((b * width + t) * heads + h) * dim, kd + (b * kv_heads + g) * capacity * dim, seen, dim,
-               dots.data());
+      key_dots(qd + ((b * width + t) * heads + h) * dim, kd + ((b * kv_heads + g) * capacity + first) * dim,
+               seen - first, dim, dots.data() + first);
       int64_t n = 0;  // the columns the row sees, in order, at the front
-      for (int64_t j = 0; j < seen; ++j) {
+      for (int64_t j = first; j < seen; ++j) {
         if (mask && masked[j] <= lowest) continue;
         double score = dots[j] * scaling;
         if (mask) score = score + masked[j];
