@@ -68,14 +68,16 @@ class LiveServer:
 
 @pytest.fixture(scope="package", autouse=True)
 def server_cpu_threads():
-    """Torch threads as `refusion serve` sets them (one core fewer than the machine has): with every core
-    spinning torch workers, a busy machine makes each forward of the tiny model 100x slower."""
+    """One core fewer than the machine has (`refusion serve --threads`): these servers share their process with the
+    test's clients, and with every core spinning torch workers each forward of the tiny model was 100x slower."""
+    import os
+
     import torch
 
     from refusion.serve.cli import set_cpu_threads
 
     saved = torch.get_num_threads()
-    set_cpu_threads(torch.nn.Linear(1, 1), None)
+    set_cpu_threads(max(1, (os.cpu_count() or 2) - 1))
     yield
     torch.set_num_threads(saved)
 

@@ -52,15 +52,13 @@ def served_name(model: str | None) -> str:
     return os.path.basename(os.path.normpath(model)) or model
 
 
-def set_cpu_threads(model, threads: int | None) -> None:
-    """Leave a core to the event loop: torch's spinning worker threads otherwise compete with it."""
+def set_cpu_threads(threads: int | None) -> None:
+    """`--threads`; None: torch keeps the count refusion gave it (every core of the process's CPU affinity:
+    `refusion.cpu`), which served fastest on a quiet machine (docs/SERVING.md, "CPU threads")."""
     import torch
 
-    if threads is None:
-        if next(model.parameters()).device.type != "cpu":
-            return
-        threads = max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) - 1))
-    torch.set_num_threads(threads)
+    if threads is not None:
+        torch.set_num_threads(threads)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         spec = replicas.LoadSpec(args.model, args.dtype, args.device, args.linear, args.attention, args.compile)
         return replicas.run(spec, cfg, settings, settings.served_model_name or served_name(args.model))
     model, tokenizer = load_from_args(args)
-    set_cpu_threads(model, settings.threads)
+    set_cpu_threads(settings.threads)
     app = create_app(model, tokenizer, config=cfg, model_name=settings.served_model_name or served_name(args.model),
                      max_batch_size=settings.max_batch_size, max_queue=settings.max_queue, api_key=settings.api_key,
                      cors_origins=settings.cors_origin, request_timeout=settings.request_timeout)

@@ -29,8 +29,8 @@ class ServeConfig:
     served_model_name: str | None = None
     """The model id clients pass as `model` (default: the --model name, or 'refusion')."""
     threads: int | None = None
-    """Torch CPU threads (default on CPU: one core fewer than the machine has, leaving one to the HTTP event loop;
-    oversubscribed cores slow every forward down many times)."""
+    """Torch CPU threads (default: every core the process may run on). On a machine shared with CPU-bound work, the
+    cores left free: oversubscribed cores slow every forward down many times."""
     shutdown_grace: float = SHUTDOWN_GRACE_SECONDS
     """Seconds: on SIGTERM / Ctrl+C new requests get 503 and the accepted ones have this long to finish before
     they are ended with an error; then the process exits 0."""
