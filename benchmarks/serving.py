@@ -4,7 +4,7 @@ OpenAI-compatible endpoint, natural-length answers to held-out prompts; output t
 Three servers on the same cores, one at a time: `refusion serve` on the embedded model, asked per request for its
 preset (the exact mode) and for AR decoding (`"refusion": {"strategy": "autoregressive"}`, the same server), and
 llama.cpp's `llama-server` on the base model's own GGUF file (`--llama-server BIN`; weights repacked as it does by
-default, warmed up, `-np` slots as many as refusion's batch rows). At each concurrency (`--clients`, default 1, 4,
+default, warmed up, `-np` slots as many as refusion's batch rows; `--llama-no-repack` where repacking dies). At each concurrency (`--clients`, default 1, 4,
 16, 64), every client sends requests from a shared queue of prompts until `--requests` (default: max(2 x clients,
 12)) are answered; the refusion variants take turns level by level. Answers end at EOS or `--max-tokens`.
 
@@ -139,7 +139,8 @@ async def run_level(base: str, prompts: list[str], clients: int, requests: int, 
     url = f"{base}/v1/chat/completions"
     queue = list(range(requests))
     results: list[dict] = []
-    limits = httpx.Limits(max_connections=clients + 1)
+    # a connection per request: llama-server closes idle kept-alive connections, and a request sent on one fails
+    limits = httpx.Limits(max_connections=clients + 1, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(MAX_SECONDS), limits=limits) as client:
 
         async def worker() -> None:
@@ -163,9 +164,10 @@ def show(name: str, r: dict) -> dict:
     return r
 
 
-def library_rate(prompts: list[str], requests: int, max_tokens: int, threads: int | None) -> dict:
-    """The preset decoding the 1-client level's requests one by one in this process (`refusion.generate`): what
-    the server at one client is compared with."""
+def against_library(base: str, prompts: list[str], requests: int, max_tokens: int, threads: int | None) -> dict:
+    """The server's preset at one client against `refusion.generate` in this process (the preset, batch 1) on the
+    same requests, taking turns request by request (the server idle while the library decodes, and the other way
+    round), each warmed up first: tokens/s of each over its own requests' wall time."""
     import torch
 
     import refusion
@@ -174,14 +176,21 @@ def library_rate(prompts: list[str], requests: int, max_tokens: int, threads: in
         torch.set_num_threads(threads)
     model, tokenizer = refusion.load()
     refusion.generate(model, refusion.encode_prompts(tokenizer, prompts[:1]), max_new_tokens=16)  # warm-up
-    tokens = seconds = 0.0
+    server = {"tokens": 0, "seconds": 0.0}
+    library = {"tokens": 0, "seconds": 0.0}
     for i in range(requests):
-        out = refusion.generate(model, refusion.encode_prompts(tokenizer, [prompts[i % len(prompts)]]),
-                                max_new_tokens=max_tokens)
-        tokens += out.stats.batch.tokens
-        seconds += out.stats.batch.seconds
-    return {"requests": requests, "tokens": tokens, "seconds": seconds, "output_tokens_per_second": tokens / seconds,
-            "threads": torch.get_num_threads()}
+        prompt = prompts[i % len(prompts)]
+        level = asyncio.run(run_level(base, [prompt], 1, 1, max_tokens, {}))
+        server["tokens"] += level["tokens"]
+        server["seconds"] += level["seconds"]
+        start = time.perf_counter()
+        out = refusion.generate(model, refusion.encode_prompts(tokenizer, [prompt]), max_new_tokens=max_tokens)
+        library["seconds"] += time.perf_counter() - start
+        library["tokens"] += out.stats.batch.tokens
+    for side in (server, library):
+        side["output_tokens_per_second"] = side["tokens"] / side["seconds"]
+    return {"requests": requests, "server": server, "library": library, "threads": torch.get_num_threads(),
+            "server_over_library": server["output_tokens_per_second"] / library["output_tokens_per_second"]}
 
 
 def main() -> None:
@@ -192,7 +201,8 @@ def main() -> None:
     parser.add_argument("--per-task", type=int, default=12, help="held-out prompts of each task slice")
     parser.add_argument("--slots", type=int, default=8, help="refusion's --max-batch-size and llama-server's -np")
     parser.add_argument("--threads", type=int, default=None, help="refusion serve --threads (default: its own)")
-    parser.add_argument("--library", action="store_true", help="also the preset in this process, one request at a time")
+    parser.add_argument("--library", action="store_true",
+                        help="also the server at one client against the preset in this process, request by request")
     parser.add_argument("--llama-server", default=None, help="a llama-server binary (llama.cpp) to compare with")
     parser.add_argument("--llama-threads", type=int, default=os.cpu_count())
     parser.add_argument("--llama-no-repack", action="store_true", help="llama-server --no-repack")
@@ -218,6 +228,10 @@ def main() -> None:
                 time.sleep(0.5)
                 results[name].append(show(name, asyncio.run(run_level(base, prompts, clients, requests,
                                                                       args.max_tokens, extra))))
+        if args.library:
+            results["library"] = against_library(base, prompts, args.requests or 12, args.max_tokens, args.threads)
+            print(f"{'library':15s} clients   1: server {results['library']['server']['output_tokens_per_second']:.1f}"
+                  f", library {results['library']['library']['output_tokens_per_second']:.1f} tokens/s", flush=True)
     finally:
         server.terminate()
         server.wait()
@@ -237,14 +251,10 @@ def main() -> None:
             finally:
                 llama.terminate()
                 llama.wait()
-    if args.library:
-        results["library"] = library_rate(prompts, args.requests or 12, args.max_tokens, args.threads)
-        print(f"{'library':15s} clients   1: {results['library']['output_tokens_per_second']:7.1f} tokens/s", flush=True)
     ratios = {f"preset_over_ar_at_{r['clients']}": r["output_tokens_per_second"] / a["output_tokens_per_second"]
               for r, a in zip(results["preset"], results["autoregressive"])}
-    if args.library and 1 in levels:
-        ratios["server_over_library_at_1"] = (results["preset"][levels.index(1)]["output_tokens_per_second"]
-                                              / results["library"]["output_tokens_per_second"])
+    if args.library:
+        ratios["server_over_library_at_1"] = results["library"]["server_over_library"]
     print(json.dumps({"benchmark": "serving", "model": info.get("data", [{}])[0], "prompts": len(prompts),
                       "max_tokens": args.max_tokens, "slots": args.slots, "threads": args.threads,
                       "cpu": cpu_name(), "results": results, "ratios": ratios,

@@ -138,6 +138,18 @@ def test_padding_is_invisible():
     assert seen(mask, 1) == [[1, 1, 1, 1]]
 
 
+def test_padding_sees_none_of_its_rows_context():
+    """A padding query's output is dropped: it sees its row's padding alone, not the context, so exact attention
+    skips the context's columns for it (padding to a batch's widest row cost as much as a real row)."""
+    cache = make_cache(2)
+    forward(cache, [[0, 0], [0, 0]], [[0, 1], [0, 1]])  # both prompts
+    cache.commit(0, torch.arange(2))
+    cache.commit(1, torch.arange(2))
+    mask = forward(cache, [[P, P, 0], [0, 0, 0]], [[0, 0, 2], [2, 3, 4]])
+    assert seen(mask, 0) == [[0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [1, 1, 0, 0, 1]]
+    assert seen(mask, 1) == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+
+
 def test_one_token_over_a_hole_free_context_needs_no_mask():
     cache = make_cache(1)
     prefill(cache, 3)

@@ -7,9 +7,9 @@ and a GPU should pay little for it (not measured yet). So how far each sequence 
 measurements:
 
 * `ForwardCosts`: seconds of a batch-1 decoding forward of each width after a cached context, and what each padding
-  row adds to a batched forward (sequences are padded to the widest: on the embedded model, in a batch of 8 one
-  sequence verifying 15 drafts cost ~3x a plain AR step, where its 15 rows alone cost ~1.3x), timed once per
-  machine and model (`measure`) and recorded (`model.calibration`): every later process reads the record
+  row and the mask add to a batched forward (sequences are padded to the widest, and attention runs over the padded
+  layout: on the embedded model a padding row costs ~0.4x a real one), timed once per machine and model (`measure`)
+  and recorded (`model.calibration`): every later process reads the record
   (`forward_costs_of`, called by the decoder), so the draft counts, and with them the forward counts, are the
   same in every process however busy the machine is;
 * `AcceptanceByDepth`: per sequence and drafter (each drafter keeps its own: `decode/drafters/`), how often a draft at
