@@ -19,6 +19,17 @@ def addition_records(n: int, seed: int = 0) -> list[dict]:
     return records
 
 
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """Each test's `train` builds its Accelerator afresh: accelerate keeps one state per process, and a test that
+    trained with bf16 mixed precision (the slow SmolLM2 run, "auto") would make every later one with "no" fail.
+    (accelerate's own tests reset it the same way.)"""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")
