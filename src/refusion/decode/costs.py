@@ -42,7 +42,6 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from refusion.decode.cache import PADDING
 from refusion.model import calibration
 from refusion.model.calibration import ForwardCosts
 
@@ -170,23 +169,22 @@ def batch_extras(run, costs: ForwardCosts, vocab: int, repeats: int = PROBE_REPE
     untimed round, fastest of each. The padding row: what the third adds beyond the second and their extra real rows,
     per extra padding row; masking: what the second adds beyond the first, its one more real row and its padding.
     Neither below 0."""
+    from refusion.decode.forward import padded_inputs
+    from refusion.decode.sequence import Forward
+
     device = run.device
     cache = run.new_cache(context + width + 1)
     for b in range(batch):
         cache.add_sequence(b)
     ids = torch.arange(context + width, device=device).remainder(vocab)
+    zeros = torch.zeros(context + width, dtype=torch.long, device=device)
 
-    def forward(start: int, counts: list[int]) -> float:  # right-aligned rows, as the decoder lays a batch out
-        widest = max(counts)
-        input_ids = torch.zeros(batch, widest, dtype=torch.long, device=device)
-        positions = torch.zeros_like(input_ids)
-        groups = torch.full_like(input_ids, PADDING)
-        for b, n in enumerate(counts):
-            input_ids[b, widest - n:] = ids[start: start + n]
-            positions[b, widest - n:] = torch.arange(start, start + n, device=device)
-            groups[b, widest - n:] = 0
+    def forward(start: int, counts: list[int]) -> float:  # laid out as the decoder lays a batch out
+        requests = [Forward(ids[start: start + n], torch.arange(start, start + n, device=device), zeros[:n])
+                    for n in counts]
+        inputs = padded_inputs(requests, max(counts), False, device)
         begin = time.perf_counter()
-        run(cache, input_ids, positions, groups, None, counts, counts)
+        run(cache, *inputs, counts, counts)
         return time.perf_counter() - begin
 
     if context:

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from refusion.decode.cache import SlotCache, attention_mask_dtype, attention_windows, cache_keyword
+from refusion.decode.cache import PADDING, SlotCache, attention_mask_dtype, attention_windows, cache_keyword
 from refusion.model.compact import Ragged, compact_forward
 from refusion.model.compiled import run_compiled, static_capacity
 from refusion.model.kernels.row_exact import cache_dtype
@@ -81,3 +81,19 @@ class CachedForward:
         if isinstance(logits, torch.Tensor):  # [B, keep, V]
             logits = [logits[b, keep - need:] for b, need in enumerate(needs)]
         return list(logits), seconds
+
+
+def padded_inputs(requests: list, width: int, branched: bool, device: torch.device):
+    """(input_ids, positions, groups, lower_upto or None), each [B, width]: the requests (`sequence.Forward`s)
+    right-aligned (left padding: group PADDING, lower_upto -1), the layout `CachedForward` takes."""
+    batch = len(requests)
+    input_ids = torch.zeros(batch, width, dtype=torch.long, device=device)
+    positions = torch.zeros(batch, width, dtype=torch.long, device=device)
+    groups = torch.full((batch, width), PADDING, dtype=torch.long, device=device)
+    lower_upto = torch.full((batch, width), -1, dtype=torch.long, device=device) if branched else None
+    for b, r in enumerate(requests):
+        n = r.tokens.numel()
+        input_ids[b, width - n:], positions[b, width - n:], groups[b, width - n:] = r.tokens, r.positions, r.groups
+        if r.lower_upto is not None:
+            lower_upto[b, width - n:] = r.lower_upto
+    return input_ids, positions, groups, lower_upto

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from refusion.config import DecodeConfig, layered_config
-from refusion.decode.cache import PADDING
 from refusion.decode.costs import draft_counts, forward_costs_of
-from refusion.decode.forward import CachedForward
+from refusion.decode.forward import CachedForward, padded_inputs
 from refusion.decode.grammar import ResponseGrammar, check_strategy
 from refusion.decode.outputs import BatchStats, GenerationOutput, GenerationStats, RoundTrace
 from refusion.decode.programs import start_program
@@ -180,22 +179,6 @@ class Decoder:
         self.stats.forward_seconds += seconds
         self.stats.forwards += 1
         return logits
-
-
-def padded_inputs(requests: list[Forward], width: int, branched: bool, device: torch.device):
-    """(input_ids, positions, groups, lower_upto or None), each [B, width]: the requests right-aligned (left
-    padding: group PADDING, lower_upto -1)."""
-    batch = len(requests)
-    input_ids = torch.zeros(batch, width, dtype=torch.long, device=device)
-    positions = torch.zeros(batch, width, dtype=torch.long, device=device)
-    groups = torch.full((batch, width), PADDING, dtype=torch.long, device=device)
-    lower_upto = torch.full((batch, width), -1, dtype=torch.long, device=device) if branched else None
-    for b, r in enumerate(requests):
-        n = r.tokens.numel()
-        input_ids[b, width - n:], positions[b, width - n:], groups[b, width - n:] = r.tokens, r.positions, r.groups
-        if r.lower_upto is not None:
-            lower_upto[b, width - n:] = r.lower_upto
-    return input_ids, positions, groups, lower_upto
 
 
 # --------------------------------------------------------------------------------- generate

@@ -18,11 +18,11 @@ import torch
 
 from refusion.config import DecodeConfig
 from refusion.decode.cache import SlotCache
-from refusion.decode.costs import ForwardCosts
 from refusion.decode.grammar import GrammarState
 from refusion.decode.infill import cut_after_first_eos
 from refusion.decode.logprobs import TokenLogprob, TokenLogprobs, shifted_token_logprobs, token_logprobs
 from refusion.decode.outputs import RoundTrace, SequenceStats, SlotEvent
+from refusion.model.calibration import ForwardCosts
 from refusion.model.draft_table import DraftTable
 
 

@@ -12,7 +12,7 @@ the family's functions are looked up once, and KV entries go straight to the `Sl
 Any other model, a model in training, or one with hooks on its sub-layers (offloading, peft's wrappers) decodes
 through transformers' forward: `compact_forward(model)` returns None for it.
 
-A batch of requests of different widths is one padded forward (left padding, `decode.loop.padded_inputs`). Given
+A batch of requests of different widths is one padded forward (left padding, `decode.forward.padded_inputs`). Given
 the `Ragged` layout of its real tokens, the compact forward runs the embedding, norms, products and MLPs over
 those rows alone and only attention over the padded layout (the rows scattered into it and gathered back): every
 real row gets the operations it gets padded, and the padding rows, a third of a batch's rows on the engine
