@@ -52,3 +52,37 @@ def model_cache_in_tmp(tmp_path_factory):
         del os.environ["REFUSION_CACHE"]
     else:
         os.environ["REFUSION_CACHE"] = saved
+
+
+def engine_processes(root: Path) -> list:
+    """The resident engine processes (`refusion.engine`) whose directory lies under `root`."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info.get("cmdline") or []
+        if "refusion.engine.process" in cmdline and any(arg.startswith(str(root)) for arg in cmdline):
+            found.append(process)
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def engines_in_tmp(tmp_path_factory):
+    """Commands decode in their own process unless a test asks for the resident engine (REFUSION_KEEP_ALIVE=0
+    here; tests/engine/ set a keep-alive); engines live in a temporary directory, and none outlives the session:
+    one left running fails the run (after it is killed)."""
+    from refusion.engine.place import DIR_ENV, KEEP_ALIVE_ENV
+
+    root = tmp_path_factory.mktemp("engines")
+    saved = {name: os.environ.get(name) for name in (DIR_ENV, KEEP_ALIVE_ENV)}
+    os.environ[DIR_ENV], os.environ[KEEP_ALIVE_ENV] = str(root / "default"), "0"
+    yield root
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    leftovers = engine_processes(tmp_path_factory.getbasetemp())  # the engine tests' directories included
+    for process in leftovers:
+        process.kill()
+    assert not leftovers, f"tests left {len(leftovers)} resident engine(s) running: {leftovers}"

@@ -46,7 +46,8 @@ def test_every_field_is_a_flag(command):
 
 def test_every_field_is_in_the_server_schema_or_named_by_openai():
     pytest.importorskip("pydantic")
-    from refusion.serve.schemas import OPENAI_NAMES, ChatCompletionRequest, RefusionOptions
+    from refusion.config import OPENAI_NAMES
+    from refusion.serve.schemas import ChatCompletionRequest, RefusionOptions
 
     options = set(RefusionOptions.model_fields) - {"ignore_eos"}
     standard = {name for name in OPENAI_NAMES if OPENAI_NAMES[name] in ChatCompletionRequest.model_fields}

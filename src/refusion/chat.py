@@ -26,6 +26,7 @@ from refusion.arguments import (
     decode_config_from_args,
     load_from_args,
 )
+from refusion.engine.answers import add_keep_alive_argument
 
 if TYPE_CHECKING:
     from refusion.decode.outputs import SequenceStats
@@ -40,6 +41,7 @@ def add_parser(subparsers) -> None:
                               description="A conversation with one loaded model through its chat template; each "
                                           f"answer is written as it is committed. In the session: {HELP}.")
     add_model_arguments(p)
+    add_keep_alive_argument(p)
     add_decode_arguments(p)
     p.add_argument("--system", default=None, help="system message for the chat template")
     p.set_defaults(func=run)
@@ -248,9 +250,15 @@ def enable_line_editing() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from refusion.engine import answers
+
     cfg = decode_config_from_args(args)  # validated before the model loads
-    model, tokenizer = load_from_args(args)
-    chat = Chat(model, tokenizer, cfg, system=args.system)
+
+    def in_process() -> Chat:
+        model, tokenizer = load_from_args(args)
+        return Chat(model, tokenizer, cfg, system=args.system)
+
+    chat = answers.chat(args, cfg, in_process) or in_process()
     interactive = sys.stdin.isatty()
     if interactive:
         enable_line_editing()

@@ -1,4 +1,4 @@
-"""The `refusion` command line: generate | chat | train | eval | bench | serve | trace | export-adapter.
+"""The `refusion` command line: generate | chat | train | eval | bench | serve | trace | export-adapter | ps | stop.
 
 Each subcommand lives next to the code it drives and exposes `add_parser(subparsers)`; heavy imports
 happen inside the command, so `refusion --help` stays fast.
@@ -23,6 +23,7 @@ SUBCOMMANDS = [
     "refusion.serve.cli",
     "refusion.viz.cli",
     "refusion.model.cli",
+    "refusion.engine.cli",
 ]
 
 
@@ -64,10 +65,12 @@ def quiet_libraries() -> None:
     if os.environ.get("REFUSION_VERBOSE"):
         return
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    from transformers.utils import logging as hf_logging
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # read when transformers is first imported
+    if "transformers" in sys.modules:  # imported already: tell it directly (a command's client path never imports it)
+        from transformers.utils import logging as hf_logging
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
 
 
 def one_line_warnings(command: str):

@@ -21,6 +21,9 @@ KV_CACHE_MODES = ("reuse", "recompute")
 MODEL_FIELDS = ("mask_token_id", "eos_token_id")
 """DecodeConfig fields that describe the model rather than one request: the CLI and Python set them, the server
 takes them from the model it serves."""
+OPENAI_NAMES = {"max_new_tokens": "max_tokens", "temperature": "temperature", "seed": "seed", "logprobs": "logprobs"}
+"""DecodeConfig fields that a server request sets through the standard OpenAI field of this name (the others go in
+its `"refusion"` extension object)."""
 STRATEGY_FIELDS: dict[str, tuple[str, ...]] = {
     "refusion": ("slot_size", "block_size", "slot_threshold", "token_threshold", "fused_plan", "kv_cache"),
     "speculative": ("draft_length", "draft_threshold", "lookup_length", "table_length", "predraft"),

@@ -17,6 +17,7 @@ from refusion.arguments import (
 )
 from refusion.data import BUILTIN_DATASETS
 from refusion.decode.stream import ResponseStream, response_text
+from refusion.engine.answers import add_keep_alive_argument
 from refusion.jsonl import jsonl_records
 
 
@@ -42,6 +43,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--batch-size", type=int, default=8,
                    help="with --input: prompts decoding at once; new ones join when half have finished (default 8)")
     add_model_arguments(p)
+    add_keep_alive_argument(p)
     add_decode_arguments(p)
     p.add_argument("--no-chat", action="store_true", help="feed the prompt as is, without the chat template")
     p.add_argument("--system", default=None, help="system message for the chat template")
@@ -65,10 +67,16 @@ def run(args: argparse.Namespace) -> int:
     prompts = [read_stdin() if p == "-" else p for p in args.prompts]
     if any(not p.strip() for p in prompts):
         raise ValueError("empty prompt: give some text to respond to")
+    cfg = decode_config_from_args(args)  # validated before the model loads
+    if through_engine(args):
+        from refusion.engine import answers
+
+        prompts = prompts[answers.generate(args, prompts, cfg, streams_answers(args)):]
+        if not prompts:
+            return 0
     from refusion.decode.loop import generate
     from refusion.model.loading import encode_prompts
 
-    cfg = decode_config_from_args(args)  # validated before the model loads
     if args.trace:
         from refusion.viz.schema import check_writable
         check_writable(args.trace)
@@ -121,6 +129,12 @@ def run(args: argparse.Namespace) -> int:
         if args.stats:
             print(stats_line(cfg, stats))
     return 0
+
+
+def through_engine(args: argparse.Namespace) -> bool:
+    """Whether the resident engine answers (`refusion.engine`): plain prompts, printed as text; a trace, the live
+    view, --json and --json-schema decode in this process."""
+    return not (args.trace or args.show or args.json or args.json_schema)
 
 
 def streams_answers(args: argparse.Namespace) -> bool:

@@ -432,12 +432,13 @@ class Scheduler:
 
     def _stats(self, job: Job) -> dict:
         s = job.seq.stats
-        stats = {"strategy": job.config.strategy, "forwards": s.forwards, "rounds": s.rounds,
+        stats = {"strategy": job.config.strategy, "tokens": s.tokens, "forwards": s.forwards, "rounds": s.rounds,
                  "tokens_per_forward": job.tokens / s.forwards if s.forwards else 0.0,
                  "phase_forwards": dict(s.phase_forwards), "committed_by": dict(s.committed_by)}
         if s.drafted:
             stats.update(drafted=s.drafted, accepted=s.accepted, draft_acceptance=s.accepted / s.drafted)
-        stats.update(queue_seconds=job.admitted - job.submitted, decode_seconds=time.perf_counter() - job.admitted)
+        stats.update(queue_seconds=job.admitted - job.submitted, decode_seconds=time.perf_counter() - job.admitted,
+                     seconds=s.seconds, finish_reason=s.finish_reason)
         return stats
 
     def _fail_all(self, message: str) -> None:

@@ -15,7 +15,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, create_model, model_validator
 
-from refusion.config import MAX_TOP_LOGPROBS, MODEL_FIELDS, DecodeConfig, field_docs, field_types
+from refusion.config import (
+    MAX_TOP_LOGPROBS,
+    MODEL_FIELDS,
+    OPENAI_NAMES,
+    DecodeConfig,
+    field_docs,
+    field_types,
+)
 
 MAX_TOKENS_LIMIT = 1 << 20
 """Upper bound of `max_tokens` checked before tokenization; the model's context is checked after."""
@@ -27,8 +34,6 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-OPENAI_NAMES = {"max_new_tokens": "max_tokens", "temperature": "temperature", "seed": "seed", "logprobs": "logprobs"}
-"""DecodeConfig fields that a request sets through the standard OpenAI field of this name."""
 
 
 class _RefusionOptionsBase(_Strict):

@@ -12,6 +12,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from refusion.config import (
+    OPENAI_NAMES,
     STRATEGIES,
     ConfigError,
     DecodeConfig,
@@ -21,7 +22,7 @@ from refusion.config import (
 )
 from refusion.serve.errors import ApiError, validation_error
 from refusion.serve.scheduler import Job
-from refusion.serve.schemas import OPENAI_NAMES, ChatCompletionRequest
+from refusion.serve.schemas import ChatCompletionRequest
 from refusion.serve.server import Server
 
 MAX_BODY_BYTES = 8 << 20
@@ -33,6 +34,8 @@ MAX_SCHEMA_BYTES = 128 << 10
 """Largest response_format compiled, as JSON (OpenAI's structured outputs allow 120,000 characters of names and
 values). Each sequence builds its grammar's matcher when it joins the batch, in the scheduler thread, in a time that
 grows with the schema (~0.3 s at 300 kB on the 2-core development machine): the bound keeps that pause short."""
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+"""Error code of a prompt that, with the tokens asked for, does not fit the model's context (OpenAI's code)."""
 GRAMMAR_COMPILE_SECONDS = 10.0
 """A response_format that takes longer to compile is refused (llguidance's own limits normally end it sooner)."""
 
@@ -239,14 +242,14 @@ def config_error(e: ValueError, prompt_param: str | None, too_long_param: str | 
     from refusion.decode.loop import PromptTooLong
     from refusion.model.special_tokens import MissingMaskToken
 
-    message = str(e).replace("max_new_tokens", "max_tokens")
+    message, code = str(e).replace("max_new_tokens", "max_tokens"), None
     if isinstance(e, ConfigError):
         param = OPENAI_NAMES.get(e.field, f"refusion.{e.field}")
     elif isinstance(e, MissingMaskToken):
         param = "refusion.strategy"
         message += " (this model can only be served with strategy 'autoregressive')"
     elif isinstance(e, PromptTooLong):
-        param = too_long_param
+        param, code = too_long_param, CONTEXT_LENGTH_EXCEEDED
     else:
         param = prompt_param
-    return ApiError(400, message, param=param)
+    return ApiError(400, message, param=param, code=code)
