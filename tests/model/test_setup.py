@@ -13,7 +13,7 @@ import refusion
 from refusion.model.kernels import row_exact
 from refusion.model.kernels.narrow import NarrowLinear
 from refusion.model.prepare import add_mask_token
-from refusion.model.setup import ModelSetup, plain_setup, prepare, setup_of
+from refusion.model.setup import ModelSetup, Unprepared, plain_setup, prepare, setup_of
 from refusion.model.tiny import TINY_MASK_ID, tiny_model, tiny_tokenizer
 
 
@@ -81,4 +81,19 @@ def test_an_unprepared_bf16_model_in_the_exact_mode_warns_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         refusion.generate(model, [[1, 5, 7]], cfg)  # once per model
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         refusion.generate(tiny_model(), [[1, 5, 7]], cfg)  # fp32: no weaker promise to report
+    assert [w.category for w in caught] == [Unprepared]
+
+
+def test_an_unprepared_model_is_named_once_and_a_prepared_one_never():
+    model, cfg = tiny_model(), refusion.DecodeConfig(strategy="autoregressive", max_new_tokens=2)
+    with pytest.warns(Unprepared, match=r"refusion.prepare\(model, tokenizer\)"):
+        refusion.generate(model, [[1, 5, 7]], cfg)
+    prepared = tiny_model()
+    refusion.prepare(prepared, tiny_tokenizer())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        refusion.generate(model, [[1, 5, 7]], cfg)  # once per model
+        refusion.generate(prepared, [[1, 5, 7]], cfg)

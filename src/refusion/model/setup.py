@@ -36,7 +36,12 @@ _ATTRIBUTE = "refusion_setup"
 _log = logging.getLogger("refusion")
 
 
-class WeakerPromise(UserWarning):
+class Unprepared(UserWarning):
+    """`generate` was given a model refusion did not prepare: it decodes as built, slower (no kernels chosen, no draft
+    table)."""
+
+
+class WeakerPromise(Unprepared):
     """A model refusion did not prepare decodes in the exact mode with rows that may round differently from AR's."""
 
 
@@ -210,23 +215,37 @@ def prepare(model, tokenizer=None, *, directory: str | Path | None = None, linea
 
 
 def check_promise(model, setup: ModelSetup, strategy: str) -> None:
-    """Warn once per model when the exact mode decodes a model refusion did not prepare in a dtype where `prepare`
-    would have made it row-exact (so the weaker promise is never silent)."""
-    if setup.prepared or setup.row_exact or strategy != "speculative" or model in _warned:
+    """Warn once per model when `generate` decodes a model refusion did not prepare: it decodes as built, without
+    the kernels and draft table `prepare` gives (`Unprepared`), and, in the exact mode, in a dtype where `prepare`
+    would have made it row-exact, with a weaker promise (`WeakerPromise`). Neither is ever silent."""
+    if setup.prepared or model in _warned:
         return
+    if not _weaker_promise(model, setup, strategy):
+        _warned.add(model)
+        warnings.warn("this model was not prepared by refusion: it decodes with its kernels as built and no draft "
+                      "table; refusion.prepare(model, tokenizer) once chooses faster kernels (the same tokens) and "
+                      "finds its draft table (refusion.load does it)", Unprepared, stacklevel=3)
+
+
+def _weaker_promise(model, setup: ModelSetup, strategy: str) -> bool:
+    """Warn (and say True) when the exact mode decodes an unprepared bf16 model whose rows `prepare` would make
+    exact."""
+    if setup.row_exact or strategy != "speculative":
+        return False
     import torch
 
     from refusion.model.kernels.row_exact import packing_available
 
     parameter = next(model.parameters(), None)
     if parameter is None or parameter.device.type != "cpu" or parameter.dtype != torch.bfloat16:
-        return
+        return False
     if not packing_available():
-        return
+        return False
     _warned.add(model)
     warnings.warn("this bf16 model was not prepared by refusion, so the exact mode's rows may round differently "
                   "from AR decoding's (a near-tie can flip a token); refusion.prepare(model, tokenizer) makes its "
-                  "forwards row-exact (load it with attn_implementation='refusion_exact')", WeakerPromise, stacklevel=3)
+                  "forwards row-exact (load it with attn_implementation='refusion_exact')", WeakerPromise, stacklevel=4)
+    return True
 
 
 def _dtype_of(model) -> str:
