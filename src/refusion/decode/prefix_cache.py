@@ -53,6 +53,17 @@ def inexact_reason(model, setup) -> str | None:
             "differently (a near-tie could flip a token)")
 
 
+def prefix_cache_for(model, setup, megabytes: int) -> tuple[PrefixCache | None, str]:
+    """(a prefix cache of `megabytes` MiB for `model`, one line saying so), or (None, why not): 0 MiB, or a setup
+    where reused entries could change an answer (`inexact_reason`)."""
+    if megabytes == 0:
+        return None, "prefix cache off (0 MiB)"
+    reason = inexact_reason(model, setup)
+    if reason is not None:
+        return None, f"prefix cache off: {reason}"
+    return PrefixCache(megabytes * 2**20), f"prefix cache {megabytes} MiB"
+
+
 @dataclass
 class Block:
     """The KV entries of one block of a prompt prefix."""
