@@ -169,6 +169,15 @@ def test_reused_prefixes_give_the_fresh_answers_bit_for_bit_where_rows_are_exact
     answers, logprobs, cached = decode(model, prompts[1:], cfg, cache, setup)
     assert cached == [32, 32]
     assert answers == [f[0][0] for f in fresh[1:]] and logprobs == [f[1][0] for f in fresh[1:]]
+    decoder = Decoder(model, setup=setup, prefix_cache=cache)  # a hit joining a batch that is decoding
+    first = decoder.add(prompts[1], cfg, mask_token_id=TINY_MASK_ID, eos_token_ids=[2])
+    for _ in range(3):
+        decoder.step()
+    joining = decoder.add(prompts[2], cfg, mask_token_id=TINY_MASK_ID, eos_token_ids=[2])
+    decoder.run()
+    assert first.stats.cached_tokens >= 32 and joining.stats.cached_tokens >= 32
+    for seq, (answer, logprob, _) in ((first, fresh[1]), (joining, fresh[2])):
+        assert seq.response() == answer[0] and [lp.logprob for lp in seq.response_logprobs()] == logprob[0]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

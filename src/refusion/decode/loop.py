@@ -84,11 +84,15 @@ class Decoder:
                        draft_table=self.setup.draft_table, grammar=None if grammar is None else grammar.state(),
                        forward_costs=self._forward_costs(cfg))
         self._next_id += 1
-        if self.prefix_cache is not None:
-            self._reuse_prefix(seq, prompt)
-        program = start_program(seq)
-        self.live[seq.id] = Running(seq, program, next(program),
-                                    unstored_prompt=list(prompt) if self.prefix_cache is not None else None)
+        try:
+            if self.prefix_cache is not None:
+                self._reuse_prefix(seq, prompt)
+            program = start_program(seq)
+            self.live[seq.id] = Running(seq, program, next(program),
+                                        unstored_prompt=list(prompt) if self.prefix_cache is not None else None)
+        except BaseException:
+            self.cache.remove_sequences([seq.id])  # a row without a program would break the next step
+            raise
         return seq
 
     def _reuse_prefix(self, seq: Sequence, prompt: list[int]) -> None:

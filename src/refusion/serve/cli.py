@@ -28,7 +28,7 @@ def add_parser(subparsers) -> None:
         "api_key": {"metavar": "KEY"},
         "cors_origin": {"action": "append", "metavar": "ORIGIN"},
         "request_timeout": {"type": float, "metavar": "SECONDS"},
-        "prefix_cache_mb": {"metavar": "MIB"},
+        "prefix_cache_mb": {"type": int, "metavar": "MIB"},
         "shutdown_grace": {"type": float, "metavar": "SECONDS"},
         "replica_cpus": {"type": float, "metavar": "CORES"},
         "replica_gpus": {"type": float, "metavar": "GPUS"},
