@@ -185,12 +185,12 @@ def test_a_chat_turn_reuses_the_conversation_it_resends(strategy, row_exact_mode
     model, setup = row_exact_model
     cfg = config(strategy)
     cache = PrefixCache(10**8)
-    conversation = [5, 9, 11, 4, 7, 30, 31, 32] * 3
+    conversation, previous = [5, 9, 11, 4, 7, 30, 31, 32] * 3, 0  # previous: the last turn's prompt length
     for turn in range(3):
         answer, logprobs, cached = decode(model, [conversation], cfg, cache, setup)
         fresh = decode(model, [conversation], cfg, setup=setup)
         assert (answer, logprobs) == fresh[:2]
-        assert cached[0] == (0 if turn == 0 else previous // 16 * 16)  # every whole block of the last prompt
+        assert cached[0] == previous // 16 * 16  # every whole block of the last turn's prompt
         previous = len(conversation)
         conversation = conversation + answer[0] + [3, 12 + turn, 2]
 
