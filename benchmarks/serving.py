@@ -14,6 +14,19 @@ in `refusion eval`'s formats, with near-twins of the draft table's data (`refusi
 
     python benchmarks/serving.py [--clients 1,4,16,64] [--llama-server PATH/llama-server] [--max-tokens 128]
 
+Two prefix-cache workloads (`--workload`), each against two servers in turn, with the prefix cache
+(`--prefix-cache-mb`, the default) and without it (0), on the same model (`--model`: the embedded one by default,
+`tiny` for the random test model, mechanics only):
+
+* `chat`: `--conversations` (16) chats of `--turns` (8) turns, all at once; each turn resends the whole
+  conversation (the user's messages are the held-out prompts, the answers the server's own). Reports time to first
+  token per turn (p50, p90 over the conversations) and the prefix cache's hits.
+* `system-prompt`: `--requests` (default 32) held-out questions behind one shared system prompt of about
+  `--system-tokens` (1,000) tokens, `--concurrency` (4) clients. Reports TTFT p50 with and without the cache.
+
+    python benchmarks/serving.py --workload chat [--conversations 16] [--turns 8] [--max-tokens 64]
+    python benchmarks/serving.py --workload system-prompt [--system-tokens 1000] [--requests 32]
+
 Ends with one JSON line.
 """
 
@@ -26,12 +39,13 @@ import json
 import os
 import statistics
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 from harness import cpu_name
-from serve_load import MAX_SECONDS, free_port, percentiles
+from serve_load import MAX_SECONDS, free_port, model_path, percentiles
 
 FRESH_REQUESTS = (
     "Describe what a city sounds like at five in the morning.",
@@ -84,9 +98,10 @@ def wait_healthy(proc: subprocess.Popen, url: str, what: str) -> None:
     raise SystemExit(f"serving: error: {what} did not become healthy in 300 s")
 
 
-def start_refusion(port: int, slots: int, threads: int | None) -> subprocess.Popen:
+def start_refusion(port: int, slots: int, threads: int | None, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    """`refusion serve` on `port`; `extra`: more flags (--model, --prefix-cache-mb)."""
     cmd = ["refusion", "serve", "--port", str(port), "--max-batch-size", str(slots), "--max-queue", "512",
-           "--log-level", "warning", "--served-model-name", "bench"]
+           "--log-level", "warning", "--served-model-name", "bench", *extra]
     if threads is not None:
         cmd += ["--threads", str(threads)]
     proc = subprocess.Popen(cmd)
@@ -108,12 +123,15 @@ def start_llama(binary: str, port: int, slots: int, threads: int, context: int, 
 
 
 # ------------------------------------------------------------------------------------------ clients
-async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, extra: dict) -> dict:
-    """Stream one chat completion: time to the first text, each later text's arrival, tokens."""
-    body = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+async def one_request(client: httpx.AsyncClient, url: str, prompt: str | list[dict], max_tokens: int,
+                      extra: dict) -> dict:
+    """Stream one chat completion of a user message (or of a whole conversation's messages): time to the first
+    text, each later text's arrival, tokens, prompt tokens, and the answer's text."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    body = {"model": "bench", "messages": messages, "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **extra}
     start = time.perf_counter()
-    arrivals, tokens, chunks = [], 0, 0
+    arrivals, tokens, chunks, prompt_tokens, text = [], 0, 0, 0, []
     async with client.stream("POST", url, json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
@@ -122,15 +140,17 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_toke
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
-            if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+            deltas = [c.get("delta", {}).get("content") for c in chunk.get("choices", [])]
+            if any(deltas):
                 arrivals.append(time.perf_counter() - start)
                 chunks += 1
+                text += [d for d in deltas if d]
             if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
+                tokens, prompt_tokens = chunk["usage"]["completion_tokens"], chunk["usage"]["prompt_tokens"]
     latency = time.perf_counter() - start
     tokens = tokens or chunks
     ttft = arrivals[0] if arrivals else latency
-    return {"ttft": ttft, "latency": latency, "tokens": tokens,
+    return {"ttft": ttft, "latency": latency, "tokens": tokens, "prompt_tokens": prompt_tokens, "text": "".join(text),
             "itl": (latency - ttft) / (tokens - 1) if tokens > 1 else 0.0}
 
 
@@ -193,6 +213,125 @@ def against_library(base: str, prompts: list[str], requests: int, max_tokens: in
             "server_over_library": server["output_tokens_per_second"] / library["output_tokens_per_second"]}
 
 
+# ------------------------------------------------------------------------------------------ prefix-cache workloads
+SYSTEM_RULES = (
+    "Answer the question that follows as a careful, friendly assistant.",
+    "Prefer short sentences and plain words; explain any technical term the first time it appears.",
+    "When a question has a numeric answer, show the steps that lead to it, then state the result on its own line.",
+    "When you are not sure, say so, and say what would settle the question.",
+    "Never invent references, quotations, prices or dates.",
+    "Use lists only when the answer has several parallel parts.",
+    "Keep code in fenced blocks and name the language.",
+    "If the question is ambiguous, answer the most likely reading and mention the other one in a sentence.",
+)
+"""The shared system prompt's rules, numbered and repeated up to its length (`system_prompt`)."""
+
+
+def system_prompt(tokens: int) -> str:
+    """A system prompt of about `tokens` tokens (~4 characters each; the servers report the exact count)."""
+    lines, i = [], 0
+    while sum(map(len, lines)) < 4 * tokens:
+        lines.append(f"Rule {i + 1}. {SYSTEM_RULES[i % len(SYSTEM_RULES)]}\n")
+        i += 1
+    return "".join(lines)
+
+
+async def conversation(client: httpx.AsyncClient, url: str, questions: list[str], max_tokens: int) -> list[dict]:
+    """One chat, turn after turn, each turn resending the whole conversation: each turn's request."""
+    messages, turns = [], []
+    for question in questions:
+        messages.append({"role": "user", "content": question})
+        result = await one_request(client, url, list(messages), max_tokens, {})
+        messages.append({"role": "assistant", "content": result["text"]})
+        turns.append(result)
+    return turns
+
+
+async def run_chats(base: str, prompts: list[str], conversations: int, turns: int, max_tokens: int) -> dict:
+    """`conversations` chats at once (conversation c asks prompts c, c + 1, ...): TTFT by turn."""
+    url = f"{base}/v1/chat/completions"
+    limits = httpx.Limits(max_connections=conversations + 1, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(MAX_SECONDS), limits=limits) as client:
+        start = time.perf_counter()
+        chats = await asyncio.gather(*(conversation(client, url, [prompts[(c + t) % len(prompts)]
+                                                                  for t in range(turns)], max_tokens)
+                                       for c in range(conversations)))
+        wall = time.perf_counter() - start
+    by_turn = [[chat[t] for chat in chats] for t in range(turns)]
+    return {"conversations": conversations, "turns": turns, "seconds": wall,
+            "ttft_by_turn": [percentiles([r["ttft"] for r in rs]) for rs in by_turn],
+            "prompt_tokens_by_turn": [statistics.mean(r["prompt_tokens"] for r in rs) for rs in by_turn]}
+
+
+async def run_system_prompt(base: str, system: str, questions: list[str], concurrency: int,
+                            max_tokens: int) -> dict:
+    """Every question behind the same system prompt, `concurrency` clients: TTFT percentiles."""
+    url = f"{base}/v1/chat/completions"
+    queue, results = list(questions), []
+    limits = httpx.Limits(max_connections=concurrency + 1, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(MAX_SECONDS), limits=limits) as client:
+
+        async def worker() -> None:
+            while queue:
+                messages = [{"role": "system", "content": system}, {"role": "user", "content": queue.pop(0)}]
+                results.append(await one_request(client, url, messages, max_tokens, {}))
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return {"requests": len(results), "concurrency": concurrency,
+            "prompt_tokens": statistics.mean(r["prompt_tokens"] for r in results),
+            "ttft": percentiles([r["ttft"] for r in results])}
+
+
+def prefix_counters(base: str) -> dict[str, float]:
+    """The server's prefix-cache counters (queries and hits, in prompt tokens) from /metrics."""
+    lines = httpx.get(f"{base}/metrics", timeout=10).text.splitlines()
+    return {name: float(line.split()[-1]) for line in lines for name in ("queries", "hits")
+            if line.startswith(f"refusion_prefix_cache_{name}_total ")}
+
+
+def prefix_workload(args, prompts: list[str]) -> dict:
+    """The workload against a server with the prefix cache and one without, in turn: each one's results."""
+    results = {}
+    with tempfile.TemporaryDirectory() as workdir:
+        model = ("--model", model_path(args.model, workdir)) if args.model else ()
+        for name, megabytes in (("prefix_cache", args.prefix_cache_mb), ("no_prefix_cache", 0)):
+            port = free_port()
+            server = start_refusion(port, args.slots, args.threads,
+                                    (*model, "--prefix-cache-mb", str(megabytes)))
+            base = f"http://127.0.0.1:{port}"
+            try:
+                asyncio.run(run_level(base, prompts, 1, 1, 16, {}))  # warm-up (another prompt: nothing shared)
+                if args.workload == "chat":
+                    result = asyncio.run(run_chats(base, prompts, args.conversations, args.turns, args.max_tokens))
+                else:
+                    questions = [prompts[i % len(prompts)] for i in range(args.requests or 32)]
+                    result = asyncio.run(run_system_prompt(base, system_prompt(args.system_tokens), questions,
+                                                           args.concurrency, args.max_tokens))
+                results[name] = {**result, "counters": prefix_counters(base)}
+            finally:
+                server.terminate()
+                server.wait()
+            shown = result.get("ttft") or result["ttft_by_turn"][-1]
+            print(f"{args.workload:13s} {name:16s}: TTFT p50 {shown['p50']:.3f} s"
+                  + ("" if "ttft" in result else " (last turn)"), flush=True)
+    return results
+
+
+def prefix_report(args, prompts: list[str]) -> dict:
+    """The JSON report of a prefix-cache workload, with the TTFT ratios (without the cache over with it)."""
+    results = prefix_workload(args, prompts)
+    on, off = results["prefix_cache"], results["no_prefix_cache"]
+    if args.workload == "chat":
+        ratios = {f"ttft_p50_turn_{t + 1}_without_over_with": b["p50"] / a["p50"]
+                  for t, (a, b) in enumerate(zip(on["ttft_by_turn"], off["ttft_by_turn"]))}
+    else:
+        ratios = {"ttft_p50_without_over_with": off["ttft"]["p50"] / on["ttft"]["p50"]}
+    return {"benchmark": "serving", "workload": args.workload, "model": args.model or "embedded",
+            "max_tokens": args.max_tokens, "slots": args.slots, "threads": args.threads,
+            "prefix_cache_mb": args.prefix_cache_mb, "cpu": cpu_name(), "results": results, "ratios": ratios,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", default="1,4,16,64")
@@ -209,9 +348,26 @@ def main() -> None:
     parser.add_argument("--llama-specs", default="none,ngram-simple",
                         help="llama-server --spec-type of each llama variant (none: plain decoding; ngram-simple: "
                              "its prompt lookup)")
+    parser.add_argument("--workload", choices=("levels", "chat", "system-prompt"), default="levels",
+                        help="levels: the concurrency levels above; chat / system-prompt: a prefix-cache workload, "
+                             "with the prefix cache and without it")
+    parser.add_argument("--model", default=None, help="prefix-cache workloads: refusion serve --model (tiny: the "
+                                                      "random test model; default: the embedded model)")
+    parser.add_argument("--prefix-cache-mb", type=int, default=None,
+                        help="the cached server's --prefix-cache-mb (default: refusion serve's)")
+    parser.add_argument("--conversations", type=int, default=16, help="chat: conversations at once")
+    parser.add_argument("--turns", type=int, default=8, help="chat: turns of each conversation")
+    parser.add_argument("--system-tokens", type=int, default=1000, help="system-prompt: its length, about")
+    parser.add_argument("--concurrency", type=int, default=4, help="system-prompt: clients at once")
     args = parser.parse_args()
     levels = [int(c) for c in args.clients.split(",")]
     prompts = held_out_prompts(args.per_task)
+    if args.workload != "levels":
+        from refusion.serve.settings import PREFIX_CACHE_MB
+
+        args.prefix_cache_mb = args.prefix_cache_mb or PREFIX_CACHE_MB
+        print(json.dumps(prefix_report(args, prompts)))
+        return
     variants = {"preset": {}, "autoregressive": {"refusion": {"strategy": "autoregressive"}}}
     results: dict[str, list] = {name: [] for name in variants}
 

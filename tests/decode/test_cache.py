@@ -398,6 +398,48 @@ def test_the_host_counts_agree_with_reading_everything_back(seed):
 
 
 # ------------------------------------------------------------------------------------------- invariant
+# ------------------------------------------------------------------------------------------- prompt prefixes
+def test_context_entries_come_out_in_position_order_and_go_into_another_row_as_context():
+    cache = make_cache(2)
+    forward(cache, [[0, 0, 0, 0], [P, P, 0, 0]], [[0, 1, 2, 3], [0, 0, 0, 1]])
+    cache.commit(0, torch.tensor([0, 1, 2, 3]))
+    cache.commit(1, torch.tensor([0, 1]))
+    forward(cache, [[P, 0], [0, 0]], [[0, 5], [2, 3]])
+    cache.discard(0)
+    keys, values = cache.context_entries(0, 1, 3)
+    assert [k.shape for k in keys] == [torch.Size([1, 2, 2])] * 2  # per layer [kv_heads, n, head_dim]
+    assert keys[0][0, :, 0].tolist() == [1.0, 2.0] and torch.equal(values[1], -keys[1])
+    with pytest.raises(RuntimeError, match="2 context entries at positions \\[2, 5\\)"):
+        cache.context_entries(0, 2, 5)  # position 4 is not in the context
+    cache.add_sequence(7)
+    cache.add_context(7, torch.tensor([1, 2]), keys, values)  # (as if positions 1 and 2 began its prompt)
+    assert cache.committed[7] == 2
+    cache.check(7)
+    assert live(cache, 2) == [(CONTEXT, 1), (CONTEXT, 2)]
+    assert_kv_follows_metadata(cache)
+    assert live(cache, 0)[-1] == (CONTEXT, 3)  # the other rows are untouched
+    mask = forward(cache, [[P], [P], [0]], [[0], [0], [3]])  # the new row's first forward sees exactly them
+    visible = [c for c, s in enumerate(seen(mask, 2)[0]) if s]
+    assert [int(cache.pos[2, c]) for c in visible] == [1, 2, 3]
+    cache.commit(7, torch.tensor([3]))  # the invariant holds over reused and computed entries
+    assert cache.committed[7] == 3
+    cache.compact()
+    assert_kv_follows_metadata(cache)
+    assert cache.context_entries(7, 1, 4)[0][1][0, :, 0].tolist() == [1.0, 2.0, 3.0]
+
+
+def test_add_context_allocates_buffers_and_converts_to_the_kept_dtype():
+    cache = make_cache(1, kv_dtype=torch.float64)
+    keys = [torch.tensor([[[0.0, 0.0], [1.0, 0.0]]], dtype=torch.bfloat16)] * 2
+    cache.add_context(0, torch.tensor([0, 1]), keys, [-k for k in keys])
+    assert cache.keys[0].dtype == torch.float64 and cache.committed[0] == 2
+    forward(cache, [[0]], [[2]])
+    cache.commit(0, torch.tensor([2]))
+    assert_kv_follows_metadata(cache)
+    with pytest.raises(ValueError, match="fixed-shape"):
+        make_cache(1, static=(1, 2, torch.float32)).add_context(0, torch.tensor([0]), keys, keys)
+
+
 def test_check_compares_context_entries_with_committed_tokens():
     cache = make_cache(1)
     prefill(cache, 3)

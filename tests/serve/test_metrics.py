@@ -27,10 +27,14 @@ METRICS = {  # family name (as the parser reports it, without _total) -> type
     "refusion_accepted_tokens": "counter",
     "refusion_tokens_per_forward": "histogram",
     "refusion_kv_cache_usage_ratio": "gauge",
+    "refusion_prefix_cache_queries": "counter",
+    "refusion_prefix_cache_hits": "counter",
     "vllm:num_requests_waiting": "gauge",
     "vllm:num_requests_running": "gauge",
     "vllm:kv_cache_usage_perc": "gauge",
     "vllm:gpu_cache_usage_perc": "gauge",
+    "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter",
 }
 ROUTING = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
            "vllm:gpu_cache_usage_perc")

@@ -30,6 +30,10 @@ not a Python slice), every layer attends over the whole buffer, and the mask alw
 EMPTY, so invisible). The shapes of a forward then depend on its batch size, its width and the capacity alone, and
 nothing in it reads a Python number that changes from step to step.
 
+Prompt prefixes (`decode.prefix_cache`): `context_entries` copies a sequence's context entries out (its prompt's, once
+prefilled) and `add_context` writes entries computed earlier into a new sequence's row as CONTEXT, in position order
+after every column in use, so they sit before the entries of its first forward as the same prompt's own entries would.
+
 Invariant, checked on every commit: a sequence's CONTEXT entries are exactly its committed tokens. Checking reads
 two counts back to the host; on a GPU, where each read waits for the device, it is off unless `REFUSION_CHECK_CACHE=1`
 (the tests' CUDA run sets it). Entries change state by masked writes, never by boolean indexing (which would read
@@ -394,6 +398,47 @@ class SlotCache:
                 self.values[i] = torch.cat([v, v.new_zeros(v.shape[0], v.shape[1], extra, v.shape[3])], 2)
         self.capacity = capacity
         self._mark_static()
+
+    # ----------------------------------------------------------------------------- prompt prefixes
+    def add_context(self, seq_id: int, positions: torch.Tensor, keys: list[torch.Tensor],
+                    values: list[torch.Tensor]) -> None:
+        """Entries computed earlier join a sequence's context (a prompt prefix the prefix cache held): keys and
+        values per layer [kv_heads, n, head_dim] of the tokens at `positions` [n], in position order, written after
+        every column in use (the sequence's next forward writes after them). No forward may be in flight."""
+        if self.static:
+            raise ValueError("a fixed-shape (compiled) cache takes no entries computed elsewhere")
+        assert self._pending_width == 0, "add_context during a forward"
+        n = positions.numel()
+        self._kv_rows()
+        self._make_room(n)
+        row, cols = self.row_of[seq_id], slice(self.used, self.used + n)
+        self.owner[:, cols] = EMPTY
+        self.owner[row, cols] = CONTEXT
+        self.pos[row, cols] = positions
+        for layer, (key, value) in enumerate(zip(keys, values)):
+            if self.keys[layer] is None:
+                self._allocate(layer, key.shape[0], key.shape[2], value.shape[2], key.dtype)
+            self.keys[layer][row, :, cols] = key  # converted to the cache's dtype, as `write` does
+            self.values[layer][row, :, cols] = value
+        self.used += n
+        self.committed[seq_id] += n
+        self._holes = self._holes or self.batch_size > 1  # the other rows are EMPTY there
+        if self.check_invariants:
+            self.check(seq_id)
+
+    def context_entries(self, seq_id: int, start: int, stop: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of the keys and values of a sequence's context entries at positions [start, stop), in position
+        order: per layer [kv_heads, stop - start, head_dim] (what `add_context` takes). Reads the columns back."""
+        row = self.row_of[seq_id]
+        pos = self.pos[row, :self.used]
+        chosen = (self.owner[row, :self.used] == CONTEXT) & (pos >= start) & (pos < stop)
+        columns = chosen.nonzero().squeeze(1)
+        columns = columns[torch.argsort(pos[columns])]
+        if columns.numel() != stop - start:
+            raise RuntimeError(f"KV cache: {columns.numel()} context entries at positions [{start}, {stop})")
+        keys = [k[row].index_select(1, columns) for k in self.keys]
+        values = [v[row].index_select(1, columns) for v in self.values]
+        return keys, values
 
     # ----------------------------------------------------------------------------- pending entries
     def _pending(self, seq_id: int) -> tuple[int, torch.Tensor]:

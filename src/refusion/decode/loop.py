@@ -20,6 +20,7 @@ from refusion.decode.costs import draft_counts, forward_costs_of
 from refusion.decode.forward import CachedForward, padded_inputs
 from refusion.decode.grammar import ResponseGrammar, check_strategy
 from refusion.decode.outputs import BatchStats, GenerationOutput, GenerationStats, RoundTrace
+from refusion.decode.prefix_cache import PrefixCache, inexact_reason, namespace_of, narrowed
 from refusion.decode.programs import start_program
 from refusion.decode.sequence import DraftOffer, Forward, Program, Sequence
 from refusion.model.compiled import bucket_width
@@ -37,19 +38,29 @@ class Running:
     seq: Sequence
     program: Program
     request: Forward | DraftOffer
+    unstored_prompt: list[int] | None = None
+    """The prompt, until its prefill's entries are stored in the decoder's prefix cache (None: nothing to store)."""
 
 
 class Decoder:
     """Runs the decoding programs of many sequences, one batched forward per `step()`."""
 
-    def __init__(self, model, capacity: int = 512, *, setup: ModelSetup | None = None):
-        """`setup`: what refusion added to the model (special tokens, draft table, ...); None: `setup_of(model)`."""
+    def __init__(self, model, capacity: int = 512, *, setup: ModelSetup | None = None,
+                 prefix_cache: PrefixCache | None = None):
+        """`setup`: what refusion added to the model (special tokens, draft table, ...); None: `setup_of(model)`.
+        `prefix_cache`: where prompt prefixes' KV entries are kept across sequences (`decode.prefix_cache`; it may
+        outlive the decoder); None: every prompt is prefilled whole. ValueError where reusing entries could change
+        an answer (`prefix_cache.inexact_reason`)."""
         self.model = model
         self.setup = setup or setup_of(model)
         self.cached_forward = CachedForward(model, self.setup)  # each step's forward over the cache
         self.device, self.compiled = self.cached_forward.device, self.cached_forward.compiled
         self.compact = self.cached_forward.compact
         self.cache = self.cached_forward.new_cache(capacity)
+        if prefix_cache is not None and (reason := inexact_reason(model, self.setup)) is not None:
+            raise ValueError(f"prefix caching is off for this model: {reason}")
+        self.prefix_cache = prefix_cache
+        self._namespace = namespace_of(model, self.cache.kv_dtype)  # the prefix cache's root for this model
         self.live: dict[int, Running] = {}
         self.stats = BatchStats()
         self._next_id = 0
@@ -73,9 +84,37 @@ class Decoder:
                        draft_table=self.setup.draft_table, grammar=None if grammar is None else grammar.state(),
                        forward_costs=self._forward_costs(cfg))
         self._next_id += 1
-        program = start_program(seq)
-        self.live[seq.id] = Running(seq, program, next(program))
+        try:
+            if self.prefix_cache is not None:
+                self._reuse_prefix(seq, prompt)
+            program = start_program(seq)
+            self.live[seq.id] = Running(seq, program, next(program),
+                                        unstored_prompt=list(prompt) if self.prefix_cache is not None else None)
+        except BaseException:
+            self.cache.remove_sequences([seq.id])  # a row without a program would break the next step
+            raise
         return seq
+
+    def _reuse_prefix(self, seq: Sequence, prompt: list[int]) -> None:
+        """The longest cached prefix of the prompt joins the sequence's context before its prefill."""
+        hit = self.prefix_cache.lookup(self._namespace, prompt)
+        if hit.length:
+            seq.reuse_prefix(hit.keys, hit.values)
+        seq.stats.cached_tokens = hit.length
+
+    def _store_prompts(self, seq_ids: list[int]) -> None:
+        """The prefix cache keeps the whole blocks of the prompts that were just committed (after the prefill)."""
+        for seq_id in seq_ids:
+            running = self.live[seq_id]
+            prompt = running.unstored_prompt
+            if prompt is None or self.cache.committed[seq_id] < len(prompt):
+                continue
+            running.unstored_prompt = None
+            start, stop = self.prefix_cache.unstored(self._namespace, prompt)
+            if start < stop:
+                keys, values = self.cache.context_entries(seq_id, start, stop)
+                self.prefix_cache.store(self._namespace, prompt, start, narrowed(keys, self.model.dtype),
+                                        narrowed(values, self.model.dtype))
 
     def _forward_costs(self, cfg: DecodeConfig):
         """What prices a sequence's drafts (`decode.costs.forward_costs_of`: recorded once per machine and model);
@@ -118,6 +157,9 @@ class Decoder:
                 if on_error is None:
                     raise
                 failed.append((seq, e))
+        if self.prefix_cache is not None:
+            failed_ids = {s.id for s, _ in failed}
+            self._store_prompts([i for i in order if i not in failed_ids])
         for seq in finished:
             del self.live[seq.id]
             seq.finished = True

@@ -112,6 +112,8 @@ class SequenceStats(_Rates):
     """speculative: drafted tokens verified."""
     accepted: int = 0
     """speculative: drafted tokens accepted."""
+    cached_tokens: int | None = None
+    """Prompt tokens whose KV entries came from the prefix cache (not prefilled); None: decoded without one."""
 
     def add_round(self, rnd: RoundTrace) -> None:
         """Account for one round."""

@@ -94,6 +94,8 @@ class Sequence:
         self.eos_ids = torch.tensor(eos_token_ids, dtype=torch.long, device=device)
         self._eos_id_set = frozenset(eos_token_ids)  # the same ids, for tokens already on the host
         self.generator = generator
+        self.cached_prefix = 0
+        """Prompt tokens whose KV entries came from the prefix cache (`reuse_prefix`): the prefill starts after them."""
         self.committed_tokens: list[torch.Tensor] = []
         self.committed_positions: list[torch.Tensor] = []
         self.committed_logprobs: list[tuple[torch.Tensor, TokenLogprobs]] = []
@@ -144,6 +146,21 @@ class Sequence:
             if len(logprobs) != tokens.numel():
                 raise RuntimeError(f"{len(logprobs)} logprobs for {tokens.numel()} committed tokens")
             self.committed_logprobs.append((positions, logprobs))
+
+    def reuse_prefix(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Before the first forward: the KV entries of the prompt's first n tokens (per layer [kv_heads, n,
+        head_dim], from the prefix cache) join the context, so the prefill computes only the rest."""
+        n = keys[0].shape[1]
+        self.cache.add_context(self.id, torch.arange(n, device=self.device), keys, values)
+        self.cached_prefix = n
+
+    def commit_prompt(self) -> None:
+        """After the prefill forward: the prompt joins the context (its pending entries; the cached prefix's
+        already did)."""
+        positions = torch.arange(self.prompt_length, device=self.device)
+        self.cache.commit(self.id, positions[self.cached_prefix:])
+        self.committed_tokens.append(self.prompt)
+        self.committed_positions.append(positions)
 
     def retain(self, positions: torch.Tensor) -> None:
         """Keep the pending KV entries at `positions` pending; drop every other pending entry."""
@@ -227,10 +244,13 @@ def zeros(tokens: torch.Tensor) -> torch.Tensor:
 
 
 def prefill(seq: Sequence, mask_positions: torch.Tensor, logits_from: int) -> Forward:
-    """The first forward of every mode: the prompt, then masks at `mask_positions` (none for AR), one group;
-    logits from `logits_from` on."""
-    prompt_positions = torch.arange(seq.prompt_length, device=seq.device)
+    """The first forward of every mode: the prompt after its cached prefix (`Sequence.cached_prefix`, already in the
+    context), then masks at `mask_positions` (none for AR), one group; logits from prompt position `logits_from`
+    on. The commit that follows it is `Sequence.commit_prompt`."""
+    start = seq.cached_prefix
+    prompt = seq.prompt[start:]
+    prompt_positions = torch.arange(start, seq.prompt_length, device=seq.device)
     if not mask_positions.numel():
-        return Forward(seq.prompt, prompt_positions, zeros(seq.prompt), logits_from)
-    tokens = torch.cat([seq.prompt, masks(seq, mask_positions)])
-    return Forward(tokens, torch.cat([prompt_positions, mask_positions]), zeros(tokens), logits_from)
+        return Forward(prompt, prompt_positions, zeros(prompt), logits_from - start)
+    tokens = torch.cat([prompt, masks(seq, mask_positions)])
+    return Forward(tokens, torch.cat([prompt_positions, mask_positions]), zeros(tokens), logits_from - start)

@@ -23,19 +23,26 @@ from refusion.serve.routes import add_routes, document_request_bodies
 from refusion.serve.scheduler import Scheduler
 from refusion.serve.schemas import now
 from refusion.serve.server import Server, engine_of
+from refusion.serve.settings import PREFIX_CACHE_MB
 
 log = logging.getLogger("refusion.serve")
 
 
 def create_app(model, tokenizer, *, config: DecodeConfig | None = None, model_name: str = "refusion",
                max_batch_size: int = 8, max_queue: int = 64, api_key: str | None = None,
-               cors_origins: tuple[str, ...] = (), request_timeout: float | None = None) -> FastAPI:
+               cors_origins: tuple[str, ...] = (), request_timeout: float | None = None,
+               prefix_cache_mb: int = PREFIX_CACHE_MB) -> FastAPI:
     """A FastAPI app serving `model`; its scheduler thread starts and stops with the app (lifespan). `api_key`,
-    `cors_origins` and `request_timeout` are `ServeConfig`'s fields (serve/settings.py)."""
+    `cors_origins`, `request_timeout` and `prefix_cache_mb` are `ServeConfig`'s fields (serve/settings.py)."""
+    from refusion.decode.prefix_cache import prefix_cache_for
+    from refusion.model.setup import setup_of
+
     config = config or DecodeConfig()
     _check_model_fits(model, config)
     metrics = ServerMetrics()
-    scheduler = Scheduler(model, tokenizer, max_batch_size=max_batch_size, max_queue=max_queue, observer=metrics)
+    prefix_cache, prefix_line = prefix_cache_for(model, setup_of(model), prefix_cache_mb)
+    scheduler = Scheduler(model, tokenizer, max_batch_size=max_batch_size, max_queue=max_queue, observer=metrics,
+                          prefix_cache=prefix_cache)
     server = Server(model, tokenizer, config, model_name, scheduler, now(), metrics, request_timeout=request_timeout,
                     engine=engine_of(model))
     metrics.watch(queue_depth=lambda: len(scheduler.waiting), batch_size=lambda: len(scheduler.live),
@@ -43,8 +50,8 @@ def create_app(model, tokenizer, *, config: DecodeConfig | None = None, model_na
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        log.info("serving %s: %s on %s, %s", model_name, server.engine["dtype"], server.engine["device"],
-                 server.engine["setup"])
+        log.info("serving %s: %s on %s, %s; %s", model_name, server.engine["dtype"], server.engine["device"],
+                 server.engine["setup"], prefix_line)
         scheduler.start()
         try:
             yield

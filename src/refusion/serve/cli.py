@@ -28,6 +28,7 @@ def add_parser(subparsers) -> None:
         "api_key": {"metavar": "KEY"},
         "cors_origin": {"action": "append", "metavar": "ORIGIN"},
         "request_timeout": {"type": float, "metavar": "SECONDS"},
+        "prefix_cache_mb": {"type": int, "metavar": "MIB"},
         "shutdown_grace": {"type": float, "metavar": "SECONDS"},
         "replica_cpus": {"type": float, "metavar": "CORES"},
         "replica_gpus": {"type": float, "metavar": "GPUS"},
@@ -80,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     set_cpu_threads(settings.threads)
     app = create_app(model, tokenizer, config=cfg, model_name=settings.served_model_name or served_name(args.model),
                      max_batch_size=settings.max_batch_size, max_queue=settings.max_queue, api_key=settings.api_key,
-                     cors_origins=settings.cors_origin, request_timeout=settings.request_timeout)
+                     cors_origins=settings.cors_origin, request_timeout=settings.request_timeout,
+                     prefix_cache_mb=settings.prefix_cache_mb)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=FLUSH_SECONDS)
     server = GracefulServer(config, app.state.server.scheduler, grace=settings.shutdown_grace)

@@ -68,6 +68,12 @@ class ServerMetrics(SchedulerObserver):
         self.kv_cache_usage = Gauge(f"{p}kv_cache_usage_ratio", "Tokens held in the KV cache by the running "
                                     "sequences / what the server holds at most (max_batch_size x context length)",
                                     registry=r)
+        self.prefix_cache_queries = Counter(
+            f"{p}prefix_cache_queries", "Prompt tokens looked up in the prefix cache (every admitted sequence's "
+            "prompt while the cache is on)", registry=r)
+        self.prefix_cache_hits = Counter(f"{p}prefix_cache_hits", "Prompt tokens whose KV entries the prefix cache "
+                                         "held (reused, not prefilled)", registry=r)
+        self._vllm_prefix_counters: list[tuple] = []  # (queries, hits) under vLLM's names, once `watch` knows the model
         for phase in PHASES:
             self.forwards.labels(phase)
 
@@ -87,6 +93,10 @@ class ServerMetrics(SchedulerObserver):
                                                 "name before v0.10)", kv_cache_usage)}
         for name, (description, read) in aliases.items():
             Gauge(name, description, ["model_name"], registry=r).labels(model_name).set_function(read)
+        self._vllm_prefix_counters = [tuple(
+            Counter(name, description, ["model_name"], registry=r).labels(model_name) for name, description in (
+                (f"{v}prefix_cache_queries", "Prefix cache queries, in prompt tokens (= refusion_prefix_cache_queries)"),
+                (f"{v}prefix_cache_hits", "Prefix cache hits, in prompt tokens (= refusion_prefix_cache_hits)")))]
 
     def exposition(self) -> bytes:
         """The registry in the text exposition format."""
@@ -95,6 +105,11 @@ class ServerMetrics(SchedulerObserver):
     # ------------------------------------------------------------------ SchedulerObserver (scheduler thread)
     def sequence_admitted(self, job: Job) -> None:
         self.prompt_tokens.inc(len(job.prompt))
+        cached = job.seq.stats.cached_tokens
+        if cached is not None:  # looked up in the prefix cache
+            for queries, hits in [(self.prefix_cache_queries, self.prefix_cache_hits), *self._vllm_prefix_counters]:
+                queries.inc(len(job.prompt))
+                hits.inc(cached)
 
     def first_token(self, job: Job) -> None:
         self.time_to_first_token.observe(job.first_token_at - job.submitted)

@@ -67,7 +67,8 @@ class EngineReplica:
         s = self.settings
         self.refusion_app = create_app(self.model, self.tokenizer, config=self.decode, model_name=self.model_name,
                               max_batch_size=s.max_batch_size, max_queue=s.max_queue, api_key=s.api_key,
-                              cors_origins=s.cors_origin, request_timeout=s.request_timeout)
+                              cors_origins=s.cors_origin, request_timeout=s.request_timeout,
+                              prefix_cache_mb=s.prefix_cache_mb)
         return ReplicaHeader(self.refusion_app, str(os.getpid()))
 
     def check_health(self) -> None:

@@ -34,6 +34,7 @@ from refusion.config import DecodeConfig
 from refusion.decode.stream import TextStream
 
 if TYPE_CHECKING:
+    from refusion.decode.prefix_cache import PrefixCache
     from refusion.decode.sequence import Sequence
 
 log = logging.getLogger("refusion.serve")
@@ -146,13 +147,16 @@ class Scheduler:
     """Owns a `Decoder` in a dedicated thread; see the module docstring."""
 
     def __init__(self, model, tokenizer, *, max_batch_size: int = 8, max_queue: int = 64, decoder_capacity: int = 512,
-                 observer: SchedulerObserver | None = None):
+                 observer: SchedulerObserver | None = None, prefix_cache: PrefixCache | None = None):
+        """`prefix_cache`: where prompt prefixes' KV entries are kept across requests (`decode.prefix_cache`; it
+        outlives a decoder rebuilt after a failed step); None: every prompt is prefilled whole."""
         if max_batch_size < 1 or max_queue < 0:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1 and max_queue={max_queue} >= 0")
         self.model, self.tokenizer = model, tokenizer
         self.observer = observer or SchedulerObserver()
         self.max_batch_size, self.max_queue = max_batch_size, max_queue
         self.decoder_capacity = decoder_capacity
+        self.prefix_cache = prefix_cache
         self.decoder = None
         self.waiting: deque[Job] = deque()
         self.live: list[Job] = []
@@ -170,7 +174,7 @@ class Scheduler:
     # ----------------------------------------------------------------------------- handler side
     def start(self) -> None:
         from refusion.decode.loop import Decoder
-        self.decoder = Decoder(self.model, capacity=self.decoder_capacity)
+        self.decoder = Decoder(self.model, capacity=self.decoder_capacity, prefix_cache=self.prefix_cache)
         self.model.eval()
         self._thread = threading.Thread(target=self._run, name="refusion-scheduler", daemon=True)
         self._thread.start()
@@ -435,6 +439,8 @@ class Scheduler:
         stats = {"strategy": job.config.strategy, "tokens": s.tokens, "forwards": s.forwards, "rounds": s.rounds,
                  "tokens_per_forward": job.tokens / s.forwards if s.forwards else 0.0,
                  "phase_forwards": dict(s.phase_forwards), "committed_by": dict(s.committed_by)}
+        if s.cached_tokens is not None:
+            stats["cached_prompt_tokens"] = s.cached_tokens
         if s.drafted:
             stats.update(drafted=s.drafted, accepted=s.accepted, draft_acceptance=s.accepted / s.drafted)
         stats.update(queue_seconds=job.admitted - job.submitted, decode_seconds=time.perf_counter() - job.admitted,
@@ -446,4 +452,4 @@ class Scheduler:
         from refusion.decode.loop import Decoder
         for job in list(self.live):
             self._fail(job, message)
-        self.decoder = Decoder(self.model, capacity=self.decoder_capacity)
+        self.decoder = Decoder(self.model, capacity=self.decoder_capacity, prefix_cache=self.prefix_cache)

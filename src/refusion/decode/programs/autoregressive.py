@@ -14,7 +14,7 @@ def autoregressive_program(seq: Sequence) -> Program:
     cfg, device = seq.cfg, seq.device
     prompt_length = seq.prompt_length
     logits = yield prefill(seq, torch.empty(0, dtype=torch.long, device=device), logits_from=prompt_length - 1)
-    seq.commit(seq.prompt, torch.arange(prompt_length, device=device))
+    seq.commit_prompt()
     positions = torch.arange(prompt_length, prompt_length + cfg.max_new_tokens, device=device)  # one copy for all
     group = torch.zeros(1, dtype=torch.long, device=device)
     for i in range(cfg.max_new_tokens):

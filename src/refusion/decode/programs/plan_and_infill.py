@@ -101,7 +101,7 @@ def refusion_program(seq: Sequence) -> Program:
                 next_plan = yield plan_forward(seq, canvas.slot_positions(slots), first_round)
                 plan_forwards = 1
                 if first_round:
-                    seq.commit(seq.prompt, torch.arange(seq.prompt_length, device=seq.device))
+                    seq.commit_prompt()
                     first_round = False
                 else:
                     seq.discard()

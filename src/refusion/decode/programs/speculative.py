@@ -104,7 +104,7 @@ def speculative_program(seq: Sequence) -> Program:
     request, layout = DraftingLayout.prefill(seq, rows[0][1] if rows else torch.empty(0, dtype=torch.long,
                                                                                        device=device))
     logits = yield request
-    seq.commit(seq.prompt, torch.arange(prompt_length, device=device))
+    seq.commit_prompt()
     first = layout.chain_logits(logits)[0]
     allowed = first if seq.grammar is None else seq.grammar.mask(first)  # structured output
     token = next_token(allowed, cfg.temperature, seq.generator)  # the token at `position`
