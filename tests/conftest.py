@@ -59,7 +59,9 @@ def engine_processes(root: Path) -> list:
     import psutil
 
     found = []
-    for process in psutil.process_iter(["cmdline"]):
+    for process in psutil.process_iter(["cmdline", "status"]):
+        if process.info.get("status") == psutil.STATUS_ZOMBIE:
+            continue  # exited (its parent, gone, left it for init to reap)
         cmdline = process.info.get("cmdline") or []
         if "refusion.engine.process" in cmdline and any(arg.startswith(str(root)) for arg in cmdline):
             found.append(process)

@@ -47,10 +47,11 @@ def stop(args: argparse.Namespace) -> int:
         print("no engine is running")
         return 0
     try:
+        pid = (engine.status() or {}).get("pid")
         answer = engine.stop()
         if answer.get("active"):
             print(f"stopping the engine after its {answer['active']} running answer(s)...", flush=True)
-        engine.wait_gone()
+        engine.wait_gone(pid=pid)
     except EngineUnavailable as e:
         raise ValueError(str(e)) from None
     print("engine stopped")

@@ -126,9 +126,10 @@ class Engine:
     def stop(self) -> dict:
         return self.call("POST", "/engine/stop", {})
 
-    def wait_gone(self, timeout: float = STOP_SECONDS) -> None:
+    def wait_gone(self, timeout: float = STOP_SECONDS, pid: int | None = None) -> None:
+        """Wait until nothing answers on the socket (and process `pid`, when given, has exited)."""
         deadline = time.monotonic() + timeout
-        while self.answers():
+        while self.answers() or (pid is not None and alive(pid)):
             if time.monotonic() > deadline:
                 raise EngineUnavailable(f"the engine at {self.socket} did not stop within {timeout:g} s")
             time.sleep(0.05)
@@ -152,6 +153,23 @@ class Engine:
             yield from _events(response)
         finally:
             connection.close()
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (an exited one that its parent has not reaped yet does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
 
 def _events(response) -> Iterator[dict]:
@@ -218,7 +236,7 @@ def connect(keep_alive: float, directory: Path | None = None,
                 notice("refusion: restarting the engine (it runs another version or environment)")
             with contextlib.suppress(EngineUnavailable):
                 engine.stop()
-            engine.wait_gone()
+            engine.wait_gone(pid=status.get("pid"))
         with contextlib.suppress(FileNotFoundError):
             engine.socket.unlink()  # stale: nobody answers on it
         process = spawn(directory, keep_alive)
