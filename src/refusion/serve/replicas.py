@@ -36,6 +36,8 @@ HEALTH_CHECK_SECONDS = 5.0
 """How often Ray's controller asks each replica whether its decoder is alive and making progress."""
 DASHBOARD_HOST = "127.0.0.1"
 """Where Ray's dashboard listens when --ray-dashboard starts it: it has no authentication."""
+LAST_PUSH_SECONDS = 2.0
+"""How long a stopping replica waits for its last metrics to reach the hub."""
 METRICS_DEPLOYMENT = "refusion-metrics"
 """The deployment that merges the replicas' metrics (serve/replica_metrics.py)."""
 
@@ -129,10 +131,11 @@ class EngineReplica:
                 return
 
     def __del__(self):
-        """Ray Serve stops the replica: send the last metrics."""
+        """Ray Serve stops the replica: the metrics thread sends the last numbers (waited for briefly: the
+        process may end first)."""
         self.stopping.set()
         if self.pusher is not None:
-            self.pusher.join(15)
+            self.pusher.join(LAST_PUSH_SECONDS)
 
 
 class ReplicaApp:

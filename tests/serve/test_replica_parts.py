@@ -1,5 +1,6 @@
-"""The merged `/metrics` of `refusion serve --replicas N` (serve/replica_metrics.py), without Ray: two replicas'
-registries summed, shares averaged, a gone replica's counters kept and its gauges dropped."""
+"""The parts of `refusion serve --replicas N` that need no Ray: the merged `/metrics` (serve/replica_metrics.py:
+two replicas' registries summed, shares averaged, a gone replica's counters kept and its gauges dropped), each
+replica's default resources, the capacity check before deploying, and how Ray starts."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from refusion.serve.metrics import ServerMetrics  # noqa: E402
 from refusion.serve.replica_metrics import MetricsMerge, snapshot  # noqa: E402
+from refusion.serve.replicas import check_capacity, ray_init_options, replica_resources  # noqa: E402
+from refusion.serve.settings import ServeConfig  # noqa: E402
 
 
 def replica(requests: int, waiting: int, kv: float) -> ServerMetrics:
@@ -60,3 +63,34 @@ def test_replicas_are_summed_shares_averaged_and_a_gone_replica_keeps_its_counte
 
     merge.report("b", snapshot(replica(requests=6, waiting=0, kv=0.0).registry), now=11)  # b's latest replaces it
     assert scrape(merge, now=11)[("refusion_requests_total", (("status", "200"), ("strategy", "refusion")))] == 9
+
+
+def test_default_cores_leave_room_for_every_replica_up_to_max_replicas():
+    assert replica_resources(ServeConfig(replicas=2), cores=8, cuda_gpus=0) == (4.0, 0.0)
+    scaling = ServeConfig(replicas=1, max_replicas=4)
+    cpus, gpus = replica_resources(scaling, cores=8, cuda_gpus=0)
+    assert (cpus, gpus) == (2.0, 0.0)
+    assert check_capacity(scaling, cpus, gpus, {"CPU": 8.0}) == []  # all 4 fit on this machine
+    cpus, _ = replica_resources(ServeConfig(replicas=1, max_replicas=3), cores=2, cuda_gpus=0)
+    assert cpus == 0.66 and 3 * cpus <= 2  # floored so that they fit
+    assert replica_resources(ServeConfig(replicas=2, replica_cpus=1.5, replica_gpus=0.5), cores=8) == (1.5, 0.5)
+    assert replica_resources(ServeConfig(replicas=2), cores=8, cuda_gpus=2)[1] == 1.0  # a GPU each under CUDA
+
+
+def test_more_replicas_than_the_cluster_holds_is_one_line_naming_the_numbers():
+    with pytest.raises(ValueError) as e:
+        check_capacity(ServeConfig(replicas=3), 1.0, 1.0, {"CPU": 16.0, "GPU": 2.0})
+    assert str(e.value) == ("--replicas=3 x --replica-gpus=1 needs 3 GPUs but the Ray cluster has 2: lower "
+                            "--replicas or --replica-gpus (a fraction shares one: --replica-gpus 0.5)")
+    with pytest.raises(ValueError, match=r"^--replicas=4 x --replica-cpus=2 needs 8 CPU cores but the Ray cluster "
+                                         r"has 6: lower --replicas or --replica-cpus$"):
+        check_capacity(ServeConfig(replicas=4), 2.0, 0.0, {"CPU": 6.0})
+    assert check_capacity(ServeConfig(replicas=2, max_replicas=4), 2.0, 0.0, {"CPU": 6.0}) == [
+        "--max-replicas=4 x --replica-cpus=2 needs 8 CPU cores but the Ray cluster has 6: Ray Serve scales up "
+        "to 3 replicas unless the cluster grows"]
+
+
+def test_ray_starts_without_its_dashboard_unless_asked_and_then_on_localhost():
+    assert ray_init_options(ServeConfig())["include_dashboard"] is False
+    asked = ray_init_options(ServeConfig(ray_dashboard=True))
+    assert asked["include_dashboard"] is True and asked["dashboard_host"] == "127.0.0.1"
