@@ -165,6 +165,10 @@ def test_replica_flags(monkeypatch, capsys):
     settings = cli.serve_config_from_args(parser.parse_args(
         ["serve", "--replicas", "2", "--max-replicas", "4", "--replica-cpus", "1.5", "--replica-gpus", "0"]))
     assert (settings.replicas, settings.max_replicas, settings.replica_cpus, settings.replica_gpus) == (2, 4, 1.5, 0)
+    assert (settings.ray_dashboard, settings.replica_stall_timeout) == (False, 120.0)  # the dashboard off by default
+    settings = cli.serve_config_from_args(parser.parse_args(
+        ["serve", "--replicas", "2", "--ray-dashboard", "--replica-stall-timeout", "30"]))
+    assert (settings.ray_dashboard, settings.replica_stall_timeout) == (True, 30.0)
     with pytest.raises(ValueError, match="--max-replicas=1 is invalid: must be >= --replicas=2"):
         ServeConfig(replicas=2, max_replicas=1)
     monkeypatch.setitem(sys.modules, "ray", None)  # Ray Serve not installed: one line naming the extra

@@ -32,6 +32,7 @@ def add_parser(subparsers) -> None:
         "shutdown_grace": {"type": float, "metavar": "SECONDS"},
         "replica_cpus": {"type": float, "metavar": "CORES"},
         "replica_gpus": {"type": float, "metavar": "GPUS"},
+        "replica_stall_timeout": {"type": float, "metavar": "SECONDS"},
     })
     add_decode_arguments(p)
     p.set_defaults(func=run)

@@ -16,6 +16,10 @@ Faults stay with their sequence: a sequence whose program raises, or whose text 
 alone (an error event) while the rest of the batch goes on; only a failing batched forward fails every live
 sequence (the decoder is then rebuilt). `drain(grace)` is the clean shutdown: no new jobs, the accepted ones
 finish within `grace` seconds, the rest end with a "shutting_down" error event.
+
+The loop beats a heartbeat each time it wakes with work and after each step: `stalled_for()` is how long it has
+gone without one while it has work, so a health check tells a wedged decoder (a forward that never returns) from
+a busy one.
 """
 
 from __future__ import annotations
@@ -168,6 +172,10 @@ class Scheduler:
         """Jobs taken from the queue and not yet in `live` (the scheduler thread admits them outside the lock)."""
         self._paused = False
         self._thread: threading.Thread | None = None
+        self._heartbeat = time.monotonic()
+        """When the loop last showed progress: woke with work, or finished a step (monotonic)."""
+        self._sleeping = False
+        """Whether the loop waits for work (then it cannot be stalled)."""
         self.tokenizer_lock = threading.Lock()
         self.counters = {"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0, "aborted": 0, "steps": 0}
 
@@ -269,6 +277,14 @@ class Scheduler:
             self._paused = False
             self._cond.notify_all()
 
+    def stalled_for(self) -> float:
+        """Seconds the loop has gone without progress while it has work: 0 when it is idle, paused or stepping on
+        time; growing while a step never returns (a wedged forward or lock). Read from any thread, lock-free, so
+        that a health check never waits on the thread it checks."""
+        if self._sleeping or self._paused or not self.busy or not self.running:
+            return 0.0
+        return max(time.monotonic() - self._heartbeat, 0.0)
+
     def held_tokens(self) -> int:
         """Tokens the running sequences hold in the KV cache: their prompts and the response tokens committed in
         order so far (read from any thread; an estimate between two steps)."""
@@ -299,7 +315,10 @@ class Scheduler:
         # 1. admit new jobs, drop cancelled ones
         with self._cond:
             while self._idle():
+                self._sleeping = True
                 self._cond.wait()
+            self._sleeping = False
+            self._heartbeat = time.monotonic()
             if self._stopping:
                 return False
             admitted = []
@@ -324,6 +343,7 @@ class Scheduler:
         failed: list[tuple[Sequence, Exception]] = []
         finished = {seq.id for seq in self.decoder.step(on_error=lambda seq, e: failed.append((seq, e)))}
         self.counters["steps"] += 1
+        self._heartbeat = time.monotonic()
         for seq, e in failed:
             job = next(j for j in self.live if j.seq is seq)
             log.error("decoding failed for one sequence", exc_info=e)

@@ -60,9 +60,17 @@ class ServeConfig:
     """With --replicas N: let Ray Serve autoscale between N and this many replicas, aiming at --max-batch-size
     requests in flight per replica (default: exactly N)."""
     replica_cpus: float | None = None
-    """CPU cores each replica reserves (and its torch threads); default: the machine's cores / --replicas."""
+    """CPU cores each replica reserves in Ray (its torch threads: this rounded down, at least 1); default: the
+    machine's cores / --max-replicas (else / --replicas), so that every replica up to --max-replicas fits on this
+    machine."""
     replica_gpus: float | None = None
-    """GPUs each replica reserves; default: 1 where CUDA is available, else 0."""
+    """GPUs each replica reserves; default: 1 where CUDA is available, else 0 (0.5: two replicas share a GPU)."""
+    replica_stall_timeout: float = 120.0
+    """With --replicas: seconds a replica's decoder may go without finishing a step while it has work before Ray's
+    health check calls it unhealthy and replaces it (a wedged forward)."""
+    ray_dashboard: bool = False
+    """With --replicas: start the local Ray cluster with its dashboard, bound to 127.0.0.1 (it has no
+    authentication); default off."""
 
     def __post_init__(self):
         _require(self.max_batch_size >= 1, "max_batch_size", self.max_batch_size, "must be >= 1")
@@ -82,6 +90,8 @@ class ServeConfig:
                  f"must be >= --replicas={self.replicas}")
         _require(self.replica_cpus is None or self.replica_cpus > 0, "replica_cpus", self.replica_cpus, "must be > 0")
         _require(self.replica_gpus is None or self.replica_gpus >= 0, "replica_gpus", self.replica_gpus, "must be >= 0")
+        _require(self.replica_stall_timeout > 0, "replica_stall_timeout", self.replica_stall_timeout,
+                 "must be > 0 seconds")
 
 
 def api_key_from(flag: str | None) -> str | None:

@@ -1,0 +1,62 @@
+"""The scheduler's stall detection (`Scheduler.stalled_for`), which the replicas' health check reads: a decoder
+whose step never returns while it has work is stalled; an idle, paused or stepping one is not."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from refusion.config import DecodeConfig
+from refusion.serve.scheduler import Event, Job, Scheduler
+
+from .test_faults import wait_for
+
+
+def job(tokenizer, events: list[Event]) -> Job:
+    config = DecodeConfig(max_new_tokens=8, strategy="autoregressive")
+    return Job(prompt=tokenizer.encode("hello"), config=config, mask_token_id=tokenizer.mask_token_id,
+               eos_token_ids=[tokenizer.eos_token_id], emit=events.append)
+
+
+def wedge(scheduler: Scheduler) -> tuple[threading.Event, threading.Event]:
+    """The next step blocks until released (a forward that hangs); returns (entered, release)."""
+    entered, release = threading.Event(), threading.Event()
+    step = scheduler.decoder.step
+
+    def wedged_step(**kwargs):
+        entered.set()
+        release.wait(30)
+        return step(**kwargs)
+
+    scheduler.decoder.step = wedged_step
+    return entered, release
+
+
+def test_a_wedged_step_with_work_is_stalled_and_an_idle_or_paused_scheduler_is_not(tiny):
+    model, tokenizer = tiny
+    scheduler = Scheduler(model, tokenizer, max_batch_size=2, max_queue=2)
+    scheduler.start()
+    try:
+        time.sleep(0.3)  # idle for a while: an old heartbeat is no stall without work
+        assert scheduler.stalled_for() == 0.0
+
+        entered, release = wedge(scheduler)
+        events: list[Event] = []
+        scheduler.submit([job(tokenizer, events)])
+        assert entered.wait(10)
+        time.sleep(0.3)
+        assert scheduler.stalled_for() >= 0.3  # live work, no step finished
+        assert scheduler.running  # the thread is alive: only the stall tells this decoder is wedged
+
+        release.set()
+        wait_for(lambda: events and events[-1].final, timeout=30)
+        assert events[-1].error is None and scheduler.stalled_for() == 0.0  # finished and idle again
+
+        scheduler.pause()  # paused on purpose with work waiting: not a stall
+        scheduler.submit([job(tokenizer, events)])
+        time.sleep(0.3)
+        assert scheduler.busy and scheduler.stalled_for() == 0.0
+        scheduler.resume()
+        wait_for(lambda: not scheduler.busy, timeout=30)
+    finally:
+        scheduler.stop()
