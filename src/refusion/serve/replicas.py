@@ -54,10 +54,10 @@ class EngineReplica:
 
     def __init__(self, spec: LoadSpec, decode: DecodeConfig, settings: ServeConfig, model_name: str,
                  threads: int):
-        import torch
+        from refusion.cpu import choose_cpu_threads
 
         self.spec, self.decode, self.settings, self.model_name = spec, decode, settings, model_name
-        torch.set_num_threads(threads)  # the cores this replica reserved
+        choose_cpu_threads(threads)  # the cores this replica reserved, before its model loads
         self.model, self.tokenizer = spec.load()
         self.refusion_app = None
 
@@ -91,13 +91,15 @@ class ReplicaHeader:
 
 
 def replica_resources(settings: ServeConfig) -> tuple[float, float]:
-    """(CPU cores, GPUs) each replica reserves: the flags, else the machine's cores shared out and one GPU each
-    where CUDA is available."""
+    """(CPU cores, GPUs) each replica reserves: the flags, else the cores this process may use (its affinity and
+    CPU quota: `refusion.cpu.usable_cores`) shared out and one GPU each where CUDA is available."""
     import torch
+
+    from refusion.cpu import usable_cores
 
     gpus = settings.replica_gpus if settings.replica_gpus is not None else float(torch.cuda.is_available())
     cpus = settings.replica_cpus if settings.replica_cpus is not None else \
-        max(1.0, float((os.cpu_count() or 1) // settings.replicas))
+        max(1.0, float(usable_cores() // settings.replicas))
     return cpus, gpus
 
 
