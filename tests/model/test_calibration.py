@@ -134,6 +134,17 @@ def test_forward_costs_of_another_native_build_are_measured_again(cache, monkeyp
     assert key["accelerator"] == {} and key["device"] == "cpu"
 
 
+def test_a_gpu_keys_its_measurements_by_its_name_cuda_and_driver(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: f"GPU {index}")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(calibration, "driver_version", lambda: "570.1")
+    assert calibration.device_key("cuda:1") == {"type": "cuda", "gpu": "GPU 1", "capability": [9, 0],
+                                                "cuda": "12.8", "driver": "570.1"}
+    assert calibration.device_key("cuda")["gpu"] == "GPU 0" and calibration.device_key("cpu") == {}
+
+
 @pytest.fixture
 def fake_packing(monkeypatch):
     """Packed products whose rows are exact up to 4 rows (rounded another way beyond): the probe finds [1, 4]."""

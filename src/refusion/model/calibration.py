@@ -34,6 +34,7 @@ import json
 import math
 import os
 import platform
+import sys
 import tempfile
 import threading
 import time
@@ -159,10 +160,14 @@ def machine_key() -> dict:
     dispatch (`cpu_dispatch`)."""
     import torch
 
-    from refusion import __version__
+    return {"cpu": cpu_model(), "flags": cpu_flags_digest(), "torch": torch.__version__,
+            "refusion": refusion_version(), "threads": torch.get_num_threads(), "dispatch": cpu_dispatch()}
 
-    return {"cpu": cpu_model(), "flags": cpu_flags_digest(), "torch": torch.__version__, "refusion": __version__,
-            "threads": torch.get_num_threads(), "dispatch": cpu_dispatch()}
+
+def refusion_version() -> str:
+    """refusion's `__version__` (read from the package, which is imported whenever this module is: importing it
+    here would run back up the layers)."""
+    return str(getattr(sys.modules.get("refusion"), "__version__", "unknown"))
 
 
 def cpu_dispatch() -> dict:

@@ -28,7 +28,7 @@ def _add_draft_table_parser(subparsers) -> None:
     p.add_argument("--orders", default=",".join(map(str, DEFAULT_ORDERS)), help="lengths of the token runs the table keys on")
     p.add_argument("--min-count", type=int, default=2)
     p.add_argument("--min-confidence", type=float, default=0.1)
-    p.set_defaults(func=_run_draft_table)
+    p.set_defaults(func=_run_draft_table, loads_model=True)  # threads chosen before the load (`refusion.cpu`)
 
 
 def _run_draft_table(args: argparse.Namespace) -> int:
