@@ -233,7 +233,7 @@ def test_calibrate_show_prints_the_record_for_this_machine_and_measures_nothing(
     monkeypatch.setattr("refusion.model.loading.load", refuse)
     assert main(["calibrate", "--show"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert str(calibration.record_path()) in out[0] and "1 entries for this machine" in out[0]
+    assert str(calibration.record_path()) in out[0] and "1 entry for this machine" in out[0]
     assert out[1].strip() == 'probe [shape [2,3]]: {"faster": 1.5}'
     assert main(["calibrate", "--show", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)

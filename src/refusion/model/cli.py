@@ -131,7 +131,8 @@ def _show_calibration(as_json: bool) -> int:
         return 0
     dispatch = machine["dispatch"]
     env = "".join(f", {k}={v}" for k, v in dispatch["env"].items())
-    print(f"refusion calibrate: {path}, {len(entries)} entries for this machine ({machine['cpu']}, "
+    count = f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}"
+    print(f"refusion calibrate: {path}, {count} for this machine ({machine['cpu']}, "
           f"{machine['threads']} threads, torch {machine['torch']}, refusion {machine['refusion']}, "
           f"{dispatch['capability']}{env})")
     for entry in entries:
