@@ -88,11 +88,11 @@ def one_line_warnings(command: str):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "loads_model", False):  # before torch starts: the same thread count in every process
-        choose_cpu_threads()
-    quiet_libraries()
     previous, warnings.showwarning = warnings.showwarning, one_line_warnings(args.command)
     try:
+        if getattr(args, "loads_model", False):  # before torch starts: the same thread count in every process
+            choose_cpu_threads(getattr(args, "threads", None))  # (a command's own --threads wins)
+        quiet_libraries()
         return args.func(args) or 0
     except (ValueError, FileNotFoundError) as e:
         print(f"refusion {args.command}: error: {e}", file=sys.stderr)

@@ -127,6 +127,47 @@ def test_a_forward_the_machine_slowed_does_not_price_the_width(monkeypatch):
     assert costs.seconds == pytest.approx((0.011, 0.014, 0.026))
 
 
+def clocked_forwards(monkeypatch, slow_one_token_calls: set[int]) -> None:
+    """Forwards that take 1 ms plus 1 ms a row on a fake clock, and 1 s for the one-token forwards whose index (0:
+    the first) is in `slow_one_token_calls`."""
+    clock, calls, forward = [0.0], {}, CachedForward.__call__
+
+    def clocked(self, cache, input_ids, *args):
+        width = input_ids.shape[1]
+        index = calls[width] = calls.get(width, -1) + 1
+        clock[0] += 0.001 + 0.001 * width + (1.0 if width == 1 and index in slow_one_token_calls else 0)
+        return forward(self, cache, input_ids, *args)
+
+    monkeypatch.setattr(CachedForward, "__call__", clocked)
+    monkeypatch.setattr("refusion.decode.costs.time.perf_counter", lambda: clock[0])
+
+
+def test_one_slow_first_forward_is_timed_again_before_drafts_go_unpriced(monkeypatch):
+    """The first timed one-token forward slowed (another process starting beside it): timed once more after another
+    untimed one, the drafts are priced (before, "not priced" was recorded for good)."""
+    clocked_forwards(monkeypatch, slow_one_token_calls={1})  # 0: untimed, 1: the first timed one
+    model = tiny_model("llama")
+    costs = measure(model, plain_setup(model), widths=(1, 4), repeats=1, context=8)
+    assert costs is not None and costs.seconds[0] == pytest.approx(0.002)
+
+
+def test_forwards_slow_twice_leave_drafts_unpriced_and_say_so(monkeypatch, caplog):
+    from refusion.decode import cli, costs
+
+    clocked_forwards(monkeypatch, slow_one_token_calls={1, 3})
+    model = tiny_model("llama")
+    with caplog.at_level("WARNING", logger="refusion"):
+        assert measure(model, plain_setup(model), widths=(1, 4), repeats=1, context=8) is None
+    assert [r.getMessage() for r in caplog.records if "drafts not priced" in r.getMessage()]
+    prepared = tiny_model("llama")
+    setup = prepare(prepared)
+    monkeypatch.setattr(costs, "forward_costs_of", lambda model, setup: None)  # as recorded after such a probe
+    line = cli.setup_line(prepared, refusion.DecodeConfig(strategy="speculative"))
+    assert line.endswith("drafts not priced (a slow one-token forward: every draft verified)")
+    assert "priced" not in cli.setup_line(prepared, refusion.DecodeConfig(strategy="autoregressive"))
+    assert "priced" not in setup.describe() and "priced" not in setup.describe(drafts_priced=True)
+
+
 def test_the_cost_aware_count_changes_the_drafts_never_the_output():
     """Flat costs verify every copied draft (as without costs), per-row costs verify none; both decode AR's
     tokens."""

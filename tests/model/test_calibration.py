@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
@@ -72,6 +74,194 @@ def test_no_cache_no_record(monkeypatch):
     monkeypatch.setenv("REFUSION_CACHE", "off")
     assert calibration.record_path() is None
     assert calibration.recorded("probe", {}, lambda: 3) == 3
+
+
+def strict_int(value) -> int:
+    if type(value) is not int:
+        raise TypeError(f"{value!r} is not an int")
+    return value
+
+
+def edit_values(edit) -> None:
+    """Replace every recorded value by `edit(kind, value)`, as a hand or a damaged disk would."""
+    path = calibration.record_path()
+    record = json.loads(path.read_text())
+    for entry in record["entries"].values():
+        entry["value"] = edit(entry["key"]["kind"], entry["value"])
+    path.write_text(json.dumps(record))
+
+
+def test_a_value_of_the_wrong_type_warns_in_one_line_and_is_measured_again(cache):
+    calibration.recorded("probe", {}, lambda: 1, parse=strict_int)
+    edit_values(lambda kind, value: [1, 2, 3])
+    with pytest.warns(calibration.CalibrationWarning, match="invalid probe entry") as caught:
+        assert calibration.recorded("probe", {}, lambda: 4, parse=strict_int) == 4
+    assert len(caught) == 1 and "\n" not in str(caught[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # rewritten: read back silently
+        assert calibration.recorded("probe", {}, refuse, parse=strict_int) == 4
+
+
+def test_an_entry_of_another_refusion_version_dispatch_or_native_build_is_not_used(cache, monkeypatch):
+    import refusion
+
+    calibration.recorded("probe", {}, lambda: 1)
+    monkeypatch.setattr(refusion, "__version__", "99.0")
+    assert calibration.recorded("probe", {}, lambda: 2) == 2
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # oneDNN's code path capped: other kernels
+    assert calibration.recorded("probe", {}, lambda: 3) == 3
+    monkeypatch.setenv("MKL_CBWR", "COMPATIBLE")
+    assert calibration.recorded("probe", {}, lambda: 4) == 4
+    assert calibration.recorded("probe", {}, refuse) == 4
+
+
+def test_forward_costs_of_another_native_build_are_measured_again(cache, monkeypatch):
+    from refusion.model.kernels import extension
+
+    model = tiny_model("llama")
+    calls = []
+    measure = costs.measure
+    monkeypatch.setattr(costs, "measure", lambda *a, **k: calls.append(1) or measure(*a, **k))
+    setup = prepare(model)
+    costs.recorded_costs(model, setup)
+    costs.recorded_costs(model, setup)
+    assert len(calls) == 1
+    monkeypatch.setattr(extension, "native_tag", lambda: "another-build")
+    costs.recorded_costs(model, setup)
+    assert len(calls) == 2
+    key = next(e["key"] for e in calibration.recorded_here() if e["kind"] == "forward_costs"
+               and e["key"]["native"] == "another-build")
+    assert key["accelerator"] == {} and key["device"] == "cpu"
+
+
+def test_a_gpu_keys_its_measurements_by_its_name_cuda_and_driver(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: f"GPU {index}")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(calibration, "driver_version", lambda: "570.1")
+    assert calibration.device_key("cuda:1") == {"type": "cuda", "gpu": "GPU 1", "capability": [9, 0],
+                                                "cuda": "12.8", "driver": "570.1"}
+    assert calibration.device_key("cuda")["gpu"] == "GPU 0" and calibration.device_key("cpu") == {}
+
+
+@pytest.fixture
+def fake_packing(monkeypatch):
+    """Packed products whose rows are exact up to 4 rows (rounded another way beyond): the probe finds [1, 4]."""
+    import torch.nn.functional as F
+
+    from refusion.model.kernels import row_exact
+
+    def product(x, weight, bias):
+        out = torch.cat([F.linear(x[i:i + 1], weight, bias) for i in range(x.shape[0])])
+        return out + 1 if x.shape[0] > 4 else out
+
+    monkeypatch.setattr(row_exact, "reorder_weight", lambda weight: weight)
+    monkeypatch.setattr(row_exact, "packed_product", product)
+    row_exact.exact_rows.cache_clear()
+    yield row_exact
+    row_exact.exact_rows.cache_clear()
+
+
+def test_a_poisoned_exact_rows_entry_is_measured_again_not_a_traceback(cache, fake_packing):
+    assert fake_packing.exact_rows(96, 160) == fake_packing.ExactRows(1, 4)
+    edit_values(lambda kind, value: [1, 2, 3])  # ExactRows(*[1, 2, 3]) was a TypeError
+    fake_packing.exact_rows.cache_clear()
+    with pytest.warns(calibration.CalibrationWarning, match="invalid exact_rows entry") as caught:
+        assert fake_packing.exact_rows(96, 160) == fake_packing.ExactRows(1, 4)
+    assert len(caught) == 1
+    for bad in (["1", 4], [3, 4], [1, 99], [2, 1], {"low": 1}):  # wrong type, range or shape
+        assert pytest.raises((TypeError, ValueError), fake_packing.parse_exact_rows, bad)
+
+
+def test_an_edited_exact_rows_entry_fails_its_spot_check_and_is_measured_again(cache, fake_packing, monkeypatch):
+    assert fake_packing.exact_rows(96, 160) == fake_packing.ExactRows(1, 4)
+    edit_values(lambda kind, value: [1, 32])  # valid, but products of 32 rows are not exact here
+    fake_packing.exact_rows.cache_clear()
+    with pytest.warns(calibration.CalibrationWarning, match="does not hold on this machine") as caught:
+        assert fake_packing.exact_rows(96, 160) == fake_packing.ExactRows(1, 4)
+    assert len(caught) == 1 and "differs from the row alone" in str(caught[0].message)
+    fake_packing.exact_rows.cache_clear()
+    monkeypatch.setattr(fake_packing, "probe_exact_rows", refuse)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the re-measured entry passes its spot check
+        assert fake_packing.exact_rows(96, 160) == fake_packing.ExactRows(1, 4)
+
+
+MEASURE_ONCE = """
+import os, sys, time
+from pathlib import Path
+from refusion.model import calibration
+calibration.machine_key()  # torch imported before the start line
+folder = Path(sys.argv[1])
+(folder / f"ready-{os.getpid()}").touch()
+while not (folder / "go").exists():
+    time.sleep(0.01)
+def measure():
+    with open(folder / "measurements", "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    time.sleep(1.5)
+    return os.getpid()
+print(calibration.recorded("probe", {}, measure))
+"""
+
+
+def test_processes_starting_together_measure_once_and_share_it(cache, tmp_path):
+    """Two processes look the same entry up at once: the first measures under the record's lock, the second waits
+    for it and reads its value."""
+    env = {**os.environ, "REFUSION_CACHE": str(cache), "PYTHONPATH": os.pathsep.join(sys.path)}
+    processes = [subprocess.Popen([sys.executable, "-c", MEASURE_ONCE, str(tmp_path)], env=env, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 300
+        while len(list(tmp_path.glob("ready-*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (tmp_path / "go").touch()
+        outputs = [p.communicate(timeout=300) for p in processes]
+    finally:
+        for p in processes:
+            p.kill()
+    assert all(p.returncode == 0 for p in processes), outputs
+    measured = (tmp_path / "measurements").read_text().split()
+    assert len(measured) == 1
+    assert [out.strip() for out, _ in outputs] == measured * 2
+
+
+def test_calibrate_show_prints_the_record_for_this_machine_and_measures_nothing(cache, monkeypatch, capsys):
+    calibration.recorded("probe", {"shape": [2, 3]}, lambda: {"faster": 1.5})
+    monkeypatch.setattr(costs, "measure", refuse)
+    monkeypatch.setattr("refusion.model.loading.load", refuse)
+    assert main(["calibrate", "--show"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert str(calibration.record_path()) in out[0] and "1 entry for this machine" in out[0]
+    assert out[1].strip() == 'probe [shape [2,3]]: {"faster": 1.5}'
+    assert main(["calibrate", "--show", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["entries"] == [{"kind": "probe", "key": {"shape": [2, 3]}, "value": {"faster": 1.5}}]
+    assert shown["machine"] == json.loads(json.dumps(calibration.machine_key()))
+
+
+def test_a_poisoned_record_under_generate_warns_once_and_decodes(cache, tiny_model_dir, capsys, monkeypatch):
+    """`refusion generate` on a record whose every value has the wrong type: one warning line, the entries
+    measured again and rewritten, the answer as from a sound record."""
+    from refusion.model.kernels import choice
+
+    # the kernel decision fixed (timed on a busy machine, another kernel would key other forward costs)
+    monkeypatch.setattr(choice, "measured_choice", lambda model: {"linear": "plain", "padded_rows": None,
+                                                                  "packed_from": None})
+    args = ["generate", "hi", "--model", tiny_model_dir, "--dtype", "float32", "--max-new-tokens", "6", "--no-chat",
+            "--strategy", "speculative", "--json"]
+    assert main(args) == 0
+    sound = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    kinds = {e["kind"] for e in calibration.recorded_here()}
+    assert {"linear_kernel", "forward_costs"} <= kinds
+    edit_values(lambda kind, value: [1, 2, 3])
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.strip().splitlines()[-1])["token_ids"] == sound["token_ids"]
+    warned = [line for line in captured.err.splitlines() if "warning:" in line]
+    assert len(warned) == 1 and "invalid" in warned[0], captured.err
+    assert all(e["value"] != [1, 2, 3] for e in calibration.recorded_here())  # measured again and rewritten
 
 
 def test_the_kernel_probes_run_once_per_machine_and_model(cache, monkeypatch):

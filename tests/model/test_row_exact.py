@@ -257,6 +257,7 @@ def test_decoders_keep_fp64_entries_for_exact_attention_and_decode_the_same_toke
     assert wide.sequences == narrow.sequences and wide.stats.batch.forwards == narrow.stats.batch.forwards
 
 
+@needs_packing  # the probe packs real bf16 weights
 def test_exact_rows_are_probed_once_per_machine_and_read_back(monkeypatch, tmp_path):
     """The probe compares bits (the same answer every time), so it is recorded like the timed probes: a later
     process reads the record instead of probing."""

@@ -74,10 +74,10 @@ def server_cpu_threads():
 
     import torch
 
-    from refusion.serve.cli import set_cpu_threads
+    from refusion.cpu import choose_cpu_threads
 
     saved = torch.get_num_threads()
-    set_cpu_threads(max(1, (os.cpu_count() or 2) - 1))
+    choose_cpu_threads(max(1, (os.cpu_count() or 2) - 1))
     yield
     torch.set_num_threads(saved)
 

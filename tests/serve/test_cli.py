@@ -175,3 +175,50 @@ def test_replica_flags(monkeypatch, capsys):
     assert cli.main(["--replicas", "2"]) == 2
     assert capsys.readouterr().err.strip() == \
         "refusion serve: error: --replicas needs Ray Serve: pip install 'refusion[replicas]'"
+
+
+class LoadStop(ValueError):
+    """Raised by a patched loader once it has seen what it checks (the command then ends with a one-line error)."""
+
+
+def test_serve_threads_are_set_before_the_model_loads(monkeypatch, tiny_model_dir):
+    """`refusion serve --threads N`: torch runs N threads when the model loads (the calibration record is looked up
+    there, keyed by the count), not only once the server starts."""
+    import torch
+
+    from refusion.cli import main
+    from refusion.serve import cli
+
+    seen = []
+
+    def load(args, device=None):
+        seen.append(torch.get_num_threads())
+        raise LoadStop("stop after the load")
+
+    saved = torch.get_num_threads()
+    wanted = saved + 2  # not what this package's servers run on (conftest), nor the machine's default
+    monkeypatch.setattr(cli, "load_from_args", load)
+    try:
+        assert main(["serve", "--model", tiny_model_dir, "--threads", str(wanted), "--port", "0"]) == 2
+        assert seen == [wanted]
+        assert cli.main(["--model", tiny_model_dir, "--threads", str(wanted + 1), "--port", "0"]) == 2
+        assert seen == [wanted, wanted + 1]  # `python -m refusion.serve.cli` too
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_a_replica_sets_its_threads_before_its_model_loads(monkeypatch):
+    import torch
+
+    from refusion.config import DecodeConfig
+    from refusion.serve import replicas
+    from refusion.serve.settings import ServeConfig
+
+    seen = []
+    monkeypatch.setattr(replicas.LoadSpec, "load", lambda self: seen.append(torch.get_num_threads()) or (None, None))
+    saved = torch.get_num_threads()
+    try:
+        replicas.EngineReplica(replicas.LoadSpec(), DecodeConfig(), ServeConfig(), "m", threads=saved + 3)
+        assert seen == [saved + 3]
+    finally:
+        torch.set_num_threads(saved)

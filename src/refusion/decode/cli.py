@@ -59,6 +59,19 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def setup_line(model, cfg) -> str:
+    """`ModelSetup.describe()` of the model, saying whether the drafts `cfg`'s strategy verifies are priced (the
+    forward costs the decoder will look up: `decode.costs.forward_costs_of`)."""
+    from refusion.decode.costs import forward_costs_of
+    from refusion.model.setup import setup_of
+
+    setup = setup_of(model)
+    priced = None
+    if cfg.strategy != "autoregressive" and (setup.forward_costs is not None or setup.recorded_costs):
+        priced = forward_costs_of(model, setup) is not None
+    return setup.describe(drafts_priced=priced)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.input or args.output:
         return run_file(args)
@@ -89,8 +102,7 @@ def run(args: argparse.Namespace) -> int:
         structured = dict(response_format={"type": "json_schema", "json_schema": {"name": "cli", "schema": schema}},
                           tokenizer=tokenizer)
     if args.stats and not args.json:  # the numbers in force: dtype and kernels (the same on every run of a machine)
-        from refusion.model.setup import setup_of
-        print(f"[{setup_of(model).describe()}]", flush=True)
+        print(f"[{setup_line(model, cfg)}]", flush=True)
     streamed = streams_answers(args)
     if args.show:
         from refusion.viz.terminal import LiveView

@@ -36,6 +36,7 @@ authors' reference script*), while where width is nearly free (a GPU) it still d
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from dataclasses import dataclass, field, replace
@@ -60,18 +61,23 @@ PROBE_CONTEXT = 128
 them, a cost that grows with width (on refusion-smol in row-exact bf16 on an AVX512-BF16 EPYC, a 16-token decoding
 forward costs 1.7x a one-token one, where forwards without a context measured 1.2x: docs/BENCHMARKS.md, Current
 results: *Forward costs with a context*)."""
-PROBE_VERSION = 2
+PROBE_VERSION = 3
 """Part of the record's key: bump when `measure` changes what it reports, so that older records are measured again.
 2: the one-token forward that decides whether to probe at all is timed after an untimed one (a process's first
 forward, which sets its kernels up, took over MAX_PROBE_SECONDS for the embedded model, and None was recorded: no
-draft was ever priced)."""
+draft was ever priced). 3: a one-token forward over MAX_PROBE_SECONDS is timed once more after another untimed one
+before "not priced" is recorded (one slow forward, another process's start beside it, recorded it for good)."""
 PAD_PROBE_BATCH = 4
 """Sequences of the forwards that time padding (`batch_extras`)."""
 PAD_PROBE_WIDTH = 16
 """The widest sequence's tokens in the forward that times padding: the others are padded to it."""
 MAX_PROBE_SECONDS = 0.25
-"""A model whose one-token forward takes longer than this is not probed (its forwards are bound by reading the
-weights, so width is nearly free: no cut)."""
+"""A model whose one-token forward takes longer than this (twice, the second after another untimed forward) is not
+probed (its forwards are bound by reading the weights, so width is nearly free: no cut)."""
+NOT_PRICED = "drafts not priced: a one-token forward took over MAX_PROBE_SECONDS, every draft is verified"
+"""What the log and the setup line (`ModelSetup.describe`) say where the forward costs are None."""
+
+_log = logging.getLogger("refusion")
 
 
 _known: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {its setup's key: costs}, this process
@@ -92,22 +98,27 @@ def forward_costs_of(model, setup) -> ForwardCosts | None:
 
 def recorded_costs(model, setup) -> ForwardCosts | None:
     """`measure(model, setup)` as recorded for this machine and model (measured and recorded when absent)."""
-    from refusion.model.kernels.extension import native_available
+    from refusion.model.kernels.extension import native_tag
 
+    device = next(model.parameters()).device
     key = {"model": calibration.structure_key(model), "kernels": [setup.kernels.linear, setup.kernels.attention],
-           "compact": setup.compact, "native": native_available(), "device": str(next(model.parameters()).device),
+           "compact": setup.compact, "native": native_tag(), "device": str(device),
+           "accelerator": calibration.device_key(device),
            "probe": {"widths": list(PROBE_WIDTHS), "repeats": PROBE_REPEATS, "context": PROBE_CONTEXT,
-                     "padding": [PAD_PROBE_BATCH, PAD_PROBE_WIDTH], "version": PROBE_VERSION}}
+                     "padding": [PAD_PROBE_BATCH, PAD_PROBE_WIDTH], "max_seconds": MAX_PROBE_SECONDS,
+                     "version": PROBE_VERSION}}
 
     def measured() -> dict | None:
         costs = measure(model, setup)
         return costs.to_dict() if costs is not None else None
 
-    value = calibration.recorded("forward_costs", key, measured)
-    try:
-        return ForwardCosts.from_dict(value) if value is not None else None
-    except (KeyError, TypeError, ValueError):  # a hand-edited entry: measured again, this process only
-        return measure(model, setup)
+    return calibration.recorded("forward_costs", key, measured, parse=parse_costs)
+
+
+def parse_costs(value) -> ForwardCosts | None:
+    """The `ForwardCosts` of a recorded value (None: not priced); a ValueError or TypeError for a value of the wrong
+    type or range (`ForwardCosts.from_dict`)."""
+    return ForwardCosts.from_dict(value) if value is not None else None
 
 
 @torch.inference_mode()
@@ -116,9 +127,9 @@ def measure(model, setup, widths: tuple[int, ...] = PROBE_WIDTHS, repeats: int =
     """Time batch-1 forwards of `widths` new tokens after a cached context of `context` tokens, through the
     decoding forward (`decode.forward`) that `setup` (the model's `ModelSetup`) gives, eager: its compact or native
     layers, its KV cache and masks, so what a decoding step of that width pays, attention over the context
-    included. None when a one-token forward takes longer than MAX_PROBE_SECONDS. After an untimed round (kernels
-    pick their code for each shape on first use), widths are timed in turn, `repeats` rounds, so that a drift of
-    the machine touches them all alike; each width's fastest forward counts."""
+    included. None when a one-token forward takes longer than MAX_PROBE_SECONDS (`fast_enough`: twice). After an
+    untimed round (kernels pick their code for each shape on first use), widths are timed in turn, `repeats`
+    rounds, so that a drift of the machine touches them all alike; each width's fastest forward counts."""
     from refusion.decode.forward import CachedForward
 
     run = CachedForward(model, setup.replace(compiled=None))
@@ -133,11 +144,8 @@ def measure(model, setup, widths: tuple[int, ...] = PROBE_WIDTHS, repeats: int =
         run(cache, ids[None, start: start + width], positions, torch.zeros_like(positions), None, [width], [width])
         return time.perf_counter() - begin
 
-    forward(0, 1)  # untimed: a process's first forward also pays for setting its kernels up
-    cache.discard(0)
-    if forward(0, 1) > MAX_PROBE_SECONDS:
+    if not fast_enough(forward, cache):
         return None
-    cache.discard(0)
     if context:
         forward(0, context)
         cache.commit(0, torch.arange(context, device=device))
@@ -159,6 +167,24 @@ def measure(model, setup, widths: tuple[int, ...] = PROBE_WIDTHS, repeats: int =
     costs = ForwardCosts(tuple(widths), tuple(seconds))
     padded_row, masking = batch_extras(run, costs, vocab, repeats, context)
     return replace(costs, padded_row=padded_row, masking=masking)
+
+
+def fast_enough(forward, cache) -> bool:
+    """Whether a one-token forward takes at most MAX_PROBE_SECONDS: timed after an untimed one (a process's first
+    forward also pays for setting its kernels up), and once more after another untimed one when it took longer (a
+    forward slowed by another process starting beside it). When neither is fast enough, says so in the log."""
+    seconds = []
+    for _ in range(2):
+        for timed in (False, True):
+            took = forward(0, 1)
+            cache.discard(0)
+            if timed:
+                seconds.append(took)
+        if seconds[-1] <= MAX_PROBE_SECONDS:
+            return True
+    _log.warning("refusion: %s (%s s, twice; `refusion calibrate` measures again)", NOT_PRICED,
+                 " and ".join(f"{s:.2f}" for s in seconds))
+    return False
 
 
 def batch_extras(run, costs: ForwardCosts, vocab: int, repeats: int = PROBE_REPEATS, context: int = PROBE_CONTEXT,

@@ -28,7 +28,7 @@ def _add_draft_table_parser(subparsers) -> None:
     p.add_argument("--orders", default=",".join(map(str, DEFAULT_ORDERS)), help="lengths of the token runs the table keys on")
     p.add_argument("--min-count", type=int, default=2)
     p.add_argument("--min-confidence", type=float, default=0.1)
-    p.set_defaults(func=_run_draft_table)
+    p.set_defaults(func=_run_draft_table, loads_model=True)  # threads chosen before the load (`refusion.cpu`)
 
 
 def _run_draft_table(args: argparse.Namespace) -> int:
@@ -85,8 +85,12 @@ def _add_calibrate_parser(subparsers) -> None:
         description="Time again, on this machine, what refusion measures once per machine and model and records "
                     "beside the model cache (calibration.json): the linear-kernel probes (CPUs without native "
                     "bf16) and the forward costs by width that price the exact mode's drafts. Every later process "
-                    "reads the new record. Run it on a quiet machine.")
+                    "reads the new record. Run it on a quiet machine. --show prints what is recorded for this "
+                    "machine instead, measuring nothing; deleting the file resets every entry.")
     add_model_arguments(parser)
+    parser.add_argument("--show", action="store_true",
+                        help="print what is recorded for this machine (at this thread count), measure nothing")
+    parser.add_argument("--json", action="store_true", help="with --show: one JSON object")
     parser.set_defaults(func=_run_calibrate)
 
 
@@ -96,6 +100,8 @@ def _run_calibrate(args) -> int:
     from refusion.model import calibration
     from refusion.model.setup import setup_of
 
+    if args.show or args.json:
+        return _show_calibration(as_json=args.json)
     with calibration.remeasuring():
         model, _ = load_from_args(args)
         setup = setup_of(model)
@@ -104,4 +110,31 @@ def _run_calibrate(args) -> int:
     print(f"refusion calibrate: {setup.describe()} ({setup.kernels.reason})")
     print(f"refusion calibrate: forward costs {costs.describe() if costs else 'not priced (a slow forward)'}")
     print(f"refusion calibrate: recorded in {where}")
+    return 0
+
+
+def _show_calibration(as_json: bool) -> int:
+    """`refusion calibrate --show [--json]`: the record's entries for this machine as it is set now."""
+    import json
+
+    from refusion.model import calibration
+
+    path = calibration.record_path()
+    entries = calibration.recorded_here()
+    machine = calibration.machine_key()
+    if as_json:
+        print(json.dumps({"record": str(path) if path else None, "machine": machine, "entries": entries},
+                         default=str))
+        return 0
+    if path is None:
+        print("refusion calibrate: nothing is recorded: the model cache is off (REFUSION_CACHE=off)")
+        return 0
+    dispatch = machine["dispatch"]
+    env = "".join(f", {k}={v}" for k, v in dispatch["env"].items())
+    count = f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}"
+    print(f"refusion calibrate: {path}, {count} for this machine ({machine['cpu']}, "
+          f"{machine['threads']} threads, torch {machine['torch']}, refusion {machine['refusion']}, "
+          f"{dispatch['capability']}{env})")
+    for entry in entries:
+        print(f"  {calibration.describe_entry(entry)}")
     return 0

@@ -126,14 +126,17 @@ class ModelSetup:
     def replace(self, **changes) -> ModelSetup:
         return replace(self, **changes)
 
-    def describe(self) -> str:
-        """One line for a stats footer or a log: dtype, kernels, table, promise."""
+    def describe(self, drafts_priced: bool | None = None) -> str:
+        """One line for a stats footer or a log: dtype, kernels, table, promise; and, where `drafts_priced` is False
+        (no forward costs: `decode.costs.forward_costs_of` gave None), that drafts are not priced."""
         table = f"draft table {len(self.draft_table.followers)} runs" if self.draft_table else "no draft table"
         promise = "row-exact" if self.row_exact else "rows may round differently by width"
         compiled = ", compiled" if self.compiled is not None else ""
         dtype = f"{self.kernels.dtype}, " if self.kernels.dtype else ""
+        pricing = ", drafts not priced (a slow one-token forward: every draft verified)" if drafts_priced is False \
+            else ""
         return (f"{dtype}linear {self.kernels.linear}, attention {self.kernels.attention}{compiled}, {table}, "
-                f"{promise}")
+                f"{promise}{pricing}")
 
 
 def attach_setup(model, setup: ModelSetup) -> ModelSetup:

@@ -13,6 +13,7 @@ from refusion.arguments import (
     decode_config_from_args,
     load_from_args,
 )
+from refusion.cpu import choose_cpu_threads
 from refusion.serve.settings import LOG_LEVELS, ServeConfig, api_key_from
 
 
@@ -54,17 +55,11 @@ def served_name(model: str | None) -> str:
     return os.path.basename(os.path.normpath(model)) or model
 
 
-def set_cpu_threads(threads: int | None) -> None:
-    """`--threads`; None: torch keeps the count refusion gave it (every core of the process's CPU affinity:
-    `refusion.cpu`), which served fastest on a quiet machine (docs/SERVING.md, "CPU threads")."""
-    import torch
-
-    if threads is not None:
-        torch.set_num_threads(threads)
-
-
 def run(args: argparse.Namespace) -> int:
     settings = serve_config_from_args(args)  # validated before anything loads
+    # --threads before anything loads or is looked up (the calibration record is keyed by the count); None: every
+    # core the process may use (`refusion.cpu`), which served fastest on a quiet machine (docs/SERVING.md)
+    choose_cpu_threads(settings.threads)
     import uvicorn
 
     from refusion.serve.app import create_app
@@ -79,7 +74,6 @@ def run(args: argparse.Namespace) -> int:
         spec = replicas.LoadSpec(args.model, args.dtype, args.device, args.linear, args.attention, args.compile)
         return replicas.run(spec, cfg, settings, settings.served_model_name or served_name(args.model))
     model, tokenizer = load_from_args(args)
-    set_cpu_threads(settings.threads)
     app = create_app(model, tokenizer, config=cfg, model_name=settings.served_model_name or served_name(args.model),
                      max_batch_size=settings.max_batch_size, max_queue=settings.max_queue, api_key=settings.api_key,
                      cors_origins=settings.cors_origin, request_timeout=settings.request_timeout,

@@ -72,10 +72,10 @@ class EngineReplica:
 
     def __init__(self, spec: LoadSpec, decode: DecodeConfig, settings: ServeConfig, model_name: str,
                  threads: int, hub=None):
-        import torch
+        from refusion.cpu import choose_cpu_threads
 
         self.spec, self.decode, self.settings, self.model_name, self.hub = spec, decode, settings, model_name, hub
-        torch.set_num_threads(threads)  # the cores this replica reserved
+        choose_cpu_threads(threads)  # the cores this replica reserved, before its model loads
         self.model, self.tokenizer = spec.load()
         self.refusion_app = None
         self.stopping = threading.Event()

@@ -12,9 +12,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from refusion.model import calibration
+from refusion.model.calibration import require, whole
 from refusion.model.kernels.registry import check_linear, kernel, kernel_of_layer, linear_kernel_of
 
 PINNED = "pinned by the caller"
+PROBE_VERSION = 1
+"""Part of the linear-kernel decision's record key: bump when `measured_choice` changes what it decides."""
+CHOICES = ("plain", "narrow", "sgemm")
+"""The kernels a recorded decision may name (`measured_choice`)."""
 
 
 def choose_linear_kernel(model, linear: str = "auto", weights_file: str | Path | None = None) -> tuple[str, str]:
@@ -58,8 +63,9 @@ def recorded_choice(model) -> tuple[str, str]:
     if not layers or any(layer.weight.device.type != "cpu" for layer in layers):
         return "plain", "not a CPU model: its layers as transformers runs them"
     measured_now = []
-    decision = calibration.recorded("linear_kernel", {"model": calibration.structure_key(model)},
-                                    lambda: measured_now.append(True) or measured_choice(model))
+    decision = calibration.recorded("linear_kernel", {"model": calibration.structure_key(model),
+                                                      "version": PROBE_VERSION},
+                                    lambda: measured_now.append(True) or measured_choice(model), parse=parse_choice)
     if not measured_now:
         apply_choice(model, decision)
     return describe_choice(decision, measured_now=bool(measured_now))
@@ -79,13 +85,26 @@ def measured_choice(model) -> dict:
             "packed_from": int(getattr(narrow, "packed_from", 0) or 0) if narrow is not None else None}
 
 
-def apply_choice(model, decision) -> None:
-    """Switch the model's plain layers as a recorded decision says (nothing timed). A decision that does not apply
-    (a hand-edited record) leaves the layers plain."""
+def parse_choice(value) -> dict:
+    """A recorded decision as `measured_choice` returns it, checked: a ValueError (or TypeError) for one of the
+    wrong type or range (an unknown kernel, a row padding that is not a count at least as large as the rows it pads)."""
+    require(isinstance(value, dict), "a dict")
+    require(value.get("linear") in CHOICES, f"linear: one of {', '.join(CHOICES)}")
+    padded_rows, packed_from = value.get("padded_rows"), value.get("packed_from")
+    require(padded_rows is None or isinstance(padded_rows, list), "padded_rows: a list or null")
+    for count, rows in enumerate(padded_rows or ()):  # a product of `count` rows computed with `rows`
+        whole(rows, count)
+    if packed_from is not None:
+        whole(packed_from, 0)
+    return {"linear": value["linear"], "padded_rows": padded_rows, "packed_from": packed_from}
+
+
+def apply_choice(model, decision: dict) -> None:
+    """Switch the model's plain layers as a recorded decision (`parse_choice`) says (nothing timed)."""
     from refusion.model.kernels.narrow import use_narrow_linears
     from refusion.model.kernels.sgemm import use_sgemm_linears
 
-    name = decision.get("linear") if isinstance(decision, dict) else None
+    name = decision["linear"]
     if name == "narrow":
         use_narrow_linears(model, force=True, padded_rows=tuple(decision.get("padded_rows") or ()) or None,
                            packed_from=decision.get("packed_from") or None)

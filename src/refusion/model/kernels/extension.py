@@ -44,11 +44,8 @@ def native_extension():
     try:
         from torch.utils import cpp_extension
 
-        source = SOURCE.read_bytes()
-        tag = hashlib.sha256(source + " ".join(CFLAGS).encode() + torch.__version__.encode()
-                             + sys.version.encode()).hexdigest()[:16]
         # torch's extension directory (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), one folder per source
-        directory = Path(cpp_extension._get_build_directory(EXTENSION, verbose=False)) / tag
+        directory = Path(cpp_extension._get_build_directory(EXTENSION, verbose=False)) / build_tag()
         directory.mkdir(parents=True, exist_ok=True)
         remove_stale_lock(directory / "lock")
         if not (directory / f"{EXTENSION}.so").exists():
@@ -61,6 +58,15 @@ def native_extension():
         warnings.warn(f"refusion: the native decoder layers could not be built ({reason}); decoding runs the "
                       f"Python layer loop (same tokens, slower)", stacklevel=2)
         return None
+
+
+@functools.cache
+def build_tag() -> str:
+    """The extension's build tag: a digest of its source, compiler flags, torch's and Python's versions (the
+    folder it is built in, and part of the calibration record's key for what it computes)."""
+    source = SOURCE.read_bytes()
+    return hashlib.sha256(source + " ".join(CFLAGS).encode() + torch.__version__.encode()
+                          + sys.version.encode()).hexdigest()[:16]
 
 
 def remove_stale_lock(lock: Path, max_age: float = STALE_LOCK_SECONDS) -> bool:
@@ -82,3 +88,8 @@ def remove_stale_lock(lock: Path, max_age: float = STALE_LOCK_SECONDS) -> bool:
 def native_available() -> bool:
     """Whether the C++ layers run in this process (built or loaded; not turned off by REFUSION_NATIVE=0)."""
     return native_extension() is not None
+
+
+def native_tag() -> str | None:
+    """`build_tag()` of the extension running in this process; None where none runs (`native_available`)."""
+    return build_tag() if native_available() else None

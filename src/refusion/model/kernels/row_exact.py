@@ -49,6 +49,8 @@ MAX_PACKED_BYTES = 2 * 2**30
 """Models whose linear weights take more than this are not packed (the packed copy doubles their memory)."""
 MAX_EXACT_ROWS = 32
 """`exact_rows` looks for exact products of at most this many rows."""
+EXACT_ROWS_VERSION = 1
+"""Part of `exact_rows`' record key: bump when `probe_exact_rows` changes what it reports."""
 MIN_EXACT_ROWS = 8
 """bf16 is the CPU default only where products of at least this many rows are exact (`packed_rows_match`)."""
 ALONE_PROBE_ROWS = 128
@@ -185,12 +187,43 @@ def speedup(baseline, candidate, repeats: int) -> float:
 def exact_rows(in_features: int, out_features: int, max_rows: int = MAX_EXACT_ROWS) -> ExactRows:
     """Where packed bf16 products of this weight shape compute every row as it would be alone (`probe_exact_rows`,
     run once per machine and shape and recorded with the model cache, `model.calibration`: it compares bits, so
-    it gives the same answer every time, but it costs ~0.1 s a shape at every start)."""
+    it gives the same answer every time, but it costs ~0.1 s a shape at every start). A recorded answer is
+    checked before it is used (`parse_exact_rows`, then `spot_check` multiplies once at its row count): a stale
+    or edited one would void the exactness promise silently."""
     from refusion.model import calibration
 
-    value = calibration.recorded("exact_rows", {"shape": [out_features, in_features], "max_rows": max_rows},
-                                 lambda: list(astuple(probe_exact_rows(in_features, out_features, max_rows))))
-    return ExactRows(*value)
+    return calibration.recorded(
+        "exact_rows", {"shape": [out_features, in_features], "max_rows": max_rows, "version": EXACT_ROWS_VERSION},
+        lambda: list(astuple(probe_exact_rows(in_features, out_features, max_rows))),
+        parse=lambda value: parse_exact_rows(value, max_rows),
+        check=lambda rows: spot_check(rows, in_features, out_features))
+
+
+def parse_exact_rows(value, max_rows: int = MAX_EXACT_ROWS) -> ExactRows:
+    """The `ExactRows` of a recorded [low, high]; a ValueError for anything else (low 1 or 2, low <= high <=
+    max_rows)."""
+    from refusion.model.calibration import require, whole
+
+    require(isinstance(value, list) and len(value) == 2, "[low, high]")
+    low = whole(value[0], 1, 2)
+    return ExactRows(low, whole(value[1], low, max_rows))
+
+
+@torch.no_grad()
+def spot_check(rows: ExactRows, in_features: int, out_features: int) -> str | None:
+    """Whether recorded row counts hold here, in one product at their `high` row count (random weights of this
+    shape): its first and last rows against the same rows alone (padded to `low` rows by `chunked_product`, as
+    the layers pad them). None when they match; else what differs."""
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
+    packed_weight = reorder_weight(weight)
+    x = torch.randn(rows.high, in_features, generator=generator).to(torch.bfloat16)
+    together = chunked_product(x, packed_weight, None, rows, packed_product)
+    for i in sorted({0, rows.high - 1}):
+        alone = chunked_product(x[i:i + 1], packed_weight, None, rows, packed_product)
+        if not torch.equal(together[i:i + 1], alone):
+            return f"row {i + 1} of a {rows.high}-row product differs from the row alone"
+    return None
 
 
 @torch.no_grad()
