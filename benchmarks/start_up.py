@@ -38,18 +38,29 @@ LLAMA_TOKENS = 40
 """llama.cpp's answer length: the main command's answer (40 tokens, EOS included)."""
 
 
+LAUNCHER = """
+import os, sys, time
+start = time.perf_counter()
+pid = os.fork()
+if pid == 0:
+    os.execvp(sys.argv[1], sys.argv[1:])
+_, status, usage = os.wait4(pid, 0)
+sys.stderr.write(f"\\nLAUNCHED {time.perf_counter() - start} {usage.ru_maxrss}\\n")
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+"""Runs one command and reports its wall seconds and its own peak memory. A small process of its own (`python -S`):
+the peak wait4 reports can include the memory of the process that forked the command, so this benchmark (which
+holds a model for llama.cpp's prompt) never forks a timed command itself."""
+
+
 def timed(command: list[str], env: dict | None = None) -> dict:
-    """Run a command to its end: wall seconds, its own peak resident memory (MiB, from wait4) and what it printed."""
-    start = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    out = process.stdout.read()
-    err = process.stderr.read()
-    _, status, usage = os.wait4(process.pid, 0)
-    seconds = time.perf_counter() - start
-    process.returncode = os.waitstatus_to_exitcode(status)
-    if process.returncode:
-        raise SystemExit(f"{' '.join(command[:4])} exited {process.returncode}: {err[-2000:]}")
-    return {"seconds": seconds, "peak_mib": usage.ru_maxrss / 1024, "out": out, "err": err}
+    """Run a command to its end: wall seconds, its own peak resident memory (MiB) and what it printed."""
+    done = subprocess.run([sys.executable, "-S", "-c", LAUNCHER, *command], capture_output=True, text=True, env=env)
+    err, _, launched = done.stderr.rpartition("\nLAUNCHED ")
+    if done.returncode or not launched:
+        raise SystemExit(f"{' '.join(command[:4])} exited {done.returncode}: {done.stderr[-2000:]}")
+    seconds, peak_kb = launched.split()
+    return {"seconds": float(seconds), "peak_mib": int(peak_kb) / 1024, "out": done.stdout, "err": err}
 
 
 def refusion(*args: str) -> list[str]:

@@ -118,9 +118,6 @@ class DyingEngine:
     """A fake engine on the socket: it answers its status as the real one would, then starts an answer and dies."""
 
     def __init__(self, directory):
-        from refusion.engine.place import identity
-
-        self.identity = identity()
         self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.server.bind(str(directory / SOCKET))
         self.server.listen(8)
@@ -138,7 +135,9 @@ class DyingEngine:
             with conn:
                 head = conn.recv(65536).decode()
                 if head.startswith("GET /engine/status"):
-                    body = json.dumps({"identity": self.identity, "pid": 0, "models": []}).encode()
+                    from refusion.engine.place import identity
+
+                    body = json.dumps({"identity": identity(), "pid": 0, "models": []}).encode()
                 elif head.startswith("POST /engine/load"):
                     body = json.dumps({"setup": "fake", "chat_template": True}).encode()
                 else:  # an answer: headers, one piece of text, then the connection drops
@@ -167,6 +166,7 @@ def test_an_engine_dying_mid_answer_is_one_line_and_a_retry_in_process(tmp_path,
         assert main(["generate", "hi", "--model", tiny_model_dir, *TINY_FLAGS]) == 0
     finally:
         fake.close()
+        Commands(tmp_path).stop_all()  # had the command started a real engine
     captured = capsys.readouterr()
     assert captured.err.count("\n") == 1 and "went away mid-answer" in captured.err
     assert "answering again in this process" in captured.err

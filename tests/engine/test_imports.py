@@ -9,12 +9,13 @@ import sys
 from .conftest import TINY_FLAGS, Commands
 
 PROBE = """
-import resource, sys
+import sys
 from refusion.cli import main
 code = main(sys.argv[1:])
 heavy = sorted(m for m in ("torch", "transformers", "numpy", "tokenizers", "safetensors", "fastapi") if m in sys.modules)
 print("HEAVY", ",".join(heavy))
-print("MAXRSS_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+hwm = [line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM")]
+print("MAXRSS_KB", hwm[0])  # this process's own peak (getrusage's can hold the forking parent's)
 raise SystemExit(code)
 """
 CLIENT_RSS_LIMIT_MIB = 50

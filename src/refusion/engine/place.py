@@ -23,8 +23,9 @@ IDENTITY_PREFIXES = ("REFUSION_", "OMP_", "MKL_", "ONEDNN_", "DNNL_", "ATEN_", "
                      "XDG_CACHE_HOME", "PYTHONPATH", "CUDA_VISIBLE_DEVICES")
 """Environment variables that can change what an engine loads or computes: an engine started under other values
 is not the one a command asked for."""
-IDENTITY_IGNORED = (DIR_ENV, KEEP_ALIVE_ENV, "REFUSION_API_KEY")
-"""...but these, which say where the engine is and how long it stays, not what it computes."""
+IDENTITY_IGNORED = (DIR_ENV, KEEP_ALIVE_ENV, "REFUSION_API_KEY", "REFUSION_VERBOSE", "HF_HUB_DISABLE_PROGRESS_BARS",
+                    "TRANSFORMERS_VERBOSITY")
+"""...but these, which say where the engine is, how long it stays and what it logs, not what it computes."""
 UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 
 
