@@ -88,8 +88,9 @@ class DraftingLayout:
 def speculative_program(seq: Sequence) -> Program:
     """Drafts verified by the model's own AR predictions: the output is AR decoding's, token for token.
 
-    The drafts are accepted while they agree with the AR predictions (greedy), or by the speculative-sampling rule
-    (temperature > 0); the AR prediction after the last accepted draft is the next forward's first token, so every
+    The drafts are accepted while they equal the AR predictions: the argmax (greedy), or at temperature > 0 the
+    sample with each position's own noise (`sampling.PositionNoise`, the same draw AR decoding makes at that position
+    with the same seed); the AR prediction after the last accepted draft is the next forward's first token, so every
     forward commits at least one token. Each round verifies the first proposal of the sequence's drafters that has
     drafts (`drafters.propose`), as far as the step's decision takes it; every drafter then observes the verdict.
     """
