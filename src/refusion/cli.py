@@ -83,6 +83,13 @@ def one_line_warnings(command: str):
     return show
 
 
+def describe_error(error: Exception) -> str:
+    """The one line an error prints: an OS error on a path as "PATH: what went wrong", anything else as it says."""
+    if isinstance(error, OSError) and error.filename is not None and error.strerror:
+        return f"{error.filename}: {error.strerror}"
+    return str(error)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "loads_model", False):  # before torch starts: the same thread count in every process
@@ -91,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     previous, warnings.showwarning = warnings.showwarning, one_line_warnings(args.command)
     try:
         return args.func(args) or 0
-    except (ValueError, FileNotFoundError) as e:
-        print(f"refusion {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # bad input, or a path that cannot be read or written
+        print(f"refusion {args.command}: error: {describe_error(e)}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as e:
         advice = missing_extra(e)
