@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from refusion.chat import Chat, encode_messages, session
+from refusion.chat import NOT_TEXT, Chat, encode_messages, session
 from refusion.config import DecodeConfig
 from refusion.decode.loop import generate
 from refusion.decode.stream import response_text
@@ -81,6 +82,32 @@ def test_commands_and_bad_input_get_one_line_and_the_session_goes_on(model_and_t
     messages = json.loads(saved.read_text())
     assert [m["role"] for m in messages] == ["system", "user", "assistant"] and messages[1]["content"] == "hello there"
     assert chat.conversation.messages == [{"role": "system", "content": "be brief"}]
+
+
+def test_a_line_that_is_not_utf8_gets_one_line_and_the_session_goes_on(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    out = Recorder()
+    chat = out.chat(model, tokenizer, EXACT)
+    undecodable = b"\xff\xfe".decode("utf-8", "surrogateescape")  # what Python's stdin makes of those bytes
+
+    def strict(prompt):  # a stdin that decodes strictly
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+    reads = iter([lambda p: undecodable, strict, lambda p: "hello", lambda p: "/exit"])
+    session(chat, read=lambda prompt: next(reads)(prompt))
+    assert out.notices == [NOT_TEXT, NOT_TEXT]
+    assert [m["content"] for m in chat.conversation.messages][:1] == ["hello"] and out.writes  # then it answered
+
+
+def test_bytes_that_are_not_utf8_on_stdin_are_one_line_not_a_traceback(tiny_model_dir):
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""), REFUSION_NATIVE="0")
+    done = subprocess.run([sys.executable, "-m", "refusion", "chat", "--model", tiny_model_dir, "--dtype", "float32",
+                           "--max-new-tokens", "4", "--strategy", "autoregressive"],
+                          input=b"\xff\xfe\nhello\n", capture_output=True, env=env, timeout=300)
+    err = done.stderr.decode()
+    assert done.returncode == 0 and "Traceback" not in err, err
+    assert err.strip().splitlines() == [NOT_TEXT]
+    assert done.stdout  # "hello" was answered after it
 
 
 def test_end_of_input_leaves(model_and_tokenizer):

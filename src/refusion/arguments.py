@@ -99,9 +99,53 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(loads_model=True)  # `refusion.cli.main` picks the CPU threads of such a command
 
 
+def check_device(text: str | None) -> None:
+    """A ValueError (one line) for a --device torch does not know or this machine does not have."""
+    if text is None:
+        return
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise ValueError(f"--device={text} is not a device: use cpu, cuda, cuda:N, mps or xpu") from None
+    backend = {"cuda": torch.cuda, "mps": torch.backends.mps, "xpu": getattr(torch, "xpu", None)}
+    if device.type == "cpu":
+        return
+    if device.type not in backend:
+        raise ValueError(f"--device={text} is not supported: use cpu, cuda, cuda:N, mps or xpu")
+    module = backend[device.type]
+    if module is None or not module.is_available():
+        why = "this torch was built without CUDA" if device.type == "cuda" and torch.version.cuda is None \
+            and torch.version.hip is None else f"no {device.type} device is available"
+        raise ValueError(f"--device={text} is not available on this machine: {why} (use --device cpu)")
+    count = module.device_count() if hasattr(module, "device_count") else 1
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"--device={text} is not available on this machine: it has {count} {device.type} "
+                         f"device(s), {device.type}:0 to {device.type}:{count - 1}")
+
+
+def is_text(text: str) -> bool:
+    """Whether a string read from the command line or a terminal is text: bytes that are not UTF-8 arrive as lone
+    surrogates (Python decodes argv and stdin with surrogateescape), which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_text(text: str | None, what: str) -> None:
+    """A one-line ValueError naming `what` (a flag, "prompt 2") when `text` is not UTF-8 text."""
+    if text is not None and not is_text(text):
+        raise ValueError(f"{what} is not UTF-8 text: check the terminal's encoding, or convert it first (iconv)")
+
+
 def load_from_args(args: argparse.Namespace, device=None):
-    """(model, tokenizer) of the model flags (`add_model_arguments`)."""
+    """(model, tokenizer) of the model flags (`add_model_arguments`); a bad --device is a one-line ValueError."""
     from refusion.model.loading import load
+
+    check_device(device or args.device)
 
     return load(args.model, dtype=args.dtype, device=device or args.device, attn_implementation=args.attention,
                 linear=args.linear, compile=args.compile)
@@ -124,7 +168,7 @@ def decode_flag_values(args: argparse.Namespace) -> dict:
 
 def decode_config_from_args(args: argparse.Namespace) -> DecodeConfig:
     """The embedded model's settings (when no --model is given), then --preset, then the explicit flags."""
-    from refusion.model.embedded import default_decode_settings_or_none
+    from refusion.model.embedded import default_preset_or_none
 
-    model_defaults = default_decode_settings_or_none() if getattr(args, "model", None) is None else None
+    model_defaults = default_preset_or_none() if getattr(args, "model", None) is None else None
     return layered_config(model_defaults, getattr(args, "preset", None), explicit=decode_flag_values(args))

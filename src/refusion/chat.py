@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING
 from refusion.arguments import (
     add_decode_arguments,
     add_model_arguments,
+    check_text,
     decode_config_from_args,
+    is_text,
     load_from_args,
 )
 from refusion.engine.answers import add_keep_alive_argument
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
     from refusion.decode.outputs import SequenceStats
 
 PROMPT = ">>> "
+NOT_TEXT = "(that line is not UTF-8 text: check the terminal's encoding and type it again)"
 HELP = ("/reset forgets the conversation, /stats shows the last answer's statistics, /save FILE writes the "
         "conversation as JSON messages, /exit (or Ctrl-D) leaves; Ctrl-C stops an answer")
 
@@ -230,12 +233,17 @@ def session(chat: Chat, read: Callable[[str], str] = input, prompt: str = PROMPT
         except EOFError:  # Ctrl-D
             chat.write("\n")
             return
+        except UnicodeDecodeError:  # a strict stdin: the line is lost, the session goes on
+            chat.notice(NOT_TEXT)
+            continue
         except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh line, the session goes on
             chat.write("\n")
             chat.notice("(Ctrl-D or /exit leaves)")
             continue
         if not line:
             chat.notice("(empty message: type a question, or /help)")
+        elif not is_text(line):
+            chat.notice(NOT_TEXT)
         elif line.startswith("/"):
             if not handle_command(chat, line):
                 return
@@ -253,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
     from refusion.engine import answers
 
     cfg = decode_config_from_args(args)  # validated before the model loads
+    check_text(args.system, "--system")
 
     def in_process() -> Chat:
         model, tokenizer = load_from_args(args)

@@ -86,6 +86,13 @@ def one_line_warnings(command: str):
     return show
 
 
+def describe_error(error: Exception) -> str:
+    """The one line an error prints: an OS error on a path as "PATH: what went wrong", anything else as it says."""
+    if isinstance(error, OSError) and error.filename is not None and error.strerror:
+        return f"{error.filename}: {error.strerror}"
+    return str(error)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     previous, warnings.showwarning = warnings.showwarning, one_line_warnings(args.command)
@@ -94,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             choose_cpu_threads(getattr(args, "threads", None))  # (a command's own --threads wins)
         quiet_libraries()
         return args.func(args) or 0
-    except (ValueError, FileNotFoundError) as e:
-        print(f"refusion {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # bad input, or a path that cannot be read or written
+        print(f"refusion {args.command}: error: {describe_error(e)}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as e:
         advice = missing_extra(e)

@@ -80,10 +80,13 @@ class DecodeConfig:
     """tau_token: a drafted token is accepted when its autoregressive probability exceeds this."""
 
     temperature: float = 0.0
-    """0 drafts greedily; > 0 adds Gumbel noise to the planning logits (the infill step stays greedy)."""
+    """0 is greedy; > 0 samples: refusion adds Gumbel noise to the planning logits (the infill step stays greedy),
+    autoregressive and speculative sample every token from softmax(logits / temperature)."""
 
     seed: int | None = None
-    """Seed of the sampling generator (sequence i of a batch uses seed + i). Unused at temperature 0."""
+    """Sampling seed (sequence i of a batch uses seed + i; autoregressive and speculative draw each position's noise
+    from the seed and the position alone, so the text is the same whatever the batch and the drafts verified).
+    Unused at temperature 0."""
 
     logprobs: int | None = None
     """Record each response token's log-probability (the model's distribution it was committed from, at temperature

@@ -1,6 +1,6 @@
 """The one JSONL reader: the records of a JSON-lines file, each with its line number (gzip-compressed when the
 name ends in .gz). Blank lines are skipped; a line that does not parse is a one-line ValueError naming the file
-and the line (`data.jsonl:7: not valid JSON (Expecting value)`)."""
+and the line (`data.jsonl:7: not valid JSON (Expecting value)`), and so is a file that is not UTF-8 text."""
 
 from __future__ import annotations
 
@@ -32,7 +32,15 @@ def parse_lines(lines, name: str | Path) -> Iterator[tuple[int, object]]:
 def jsonl_records(path: str | Path) -> Iterator[tuple[int, object]]:
     """(line number, record) of each non-blank line of a JSONL file, read as it goes."""
     with open_text(path) as f:
-        yield from parse_lines(f, path)
+        try:
+            yield from parse_lines(f, path)
+        except UnicodeDecodeError as e:
+            raise not_utf8(path, e) from None
+
+
+def not_utf8(path: str | Path, error: UnicodeDecodeError) -> ValueError:
+    """The one-line error for a file that is not UTF-8 text."""
+    return ValueError(f"{path} is not UTF-8 text ({error.reason}): convert it first, e.g. with iconv")
 
 
 def read_jsonl(path: str | Path) -> list:

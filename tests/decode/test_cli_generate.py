@@ -68,6 +68,46 @@ def test_bad_flags_print_one_line_and_exit_2(model_dir, capsys, argv, words):
     assert len(err.splitlines()) == 1 and words in err
 
 
+BAD_BYTES = b"\xff\xfe".decode("utf-8", "surrogateescape")  # what Python makes of such bytes in argv
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["hello", "--device", "tpu"], "--device=tpu is not a device"),
+    (["hello", "--device", "cuda:x"], "--device=cuda:x is not a device"),
+    ([BAD_BYTES], "the prompt is not UTF-8 text"),
+    (["hello", "--system", BAD_BYTES], "--system is not UTF-8 text"),
+    (["hello", "--strategy", "autoregressive", "--json-schema", "{dir}/missing.json"], "missing.json: No such file"),
+    (["hello", "--strategy", "autoregressive", "--json-schema", "{dir}/latin1.json"], "latin1.json is not UTF-8"),
+    (["hello", "--strategy", "autoregressive", "--json-schema", "{dir}/broken.json"],
+     "broken.json: not valid JSON (line 1, column 2"),
+    (["--input", "{dir}", "--output", "{dir}/out.jsonl"], ": Is a directory"),
+    (["--input", "{dir}/latin1.json", "--output", "{dir}/out.jsonl"], "latin1.json is not UTF-8 text"),
+    (["--input", "{dir}/prompts.jsonl", "--output", "{dir}"], "is a directory: give a JSONL file"),
+    (["--input", "{dir}/prompts.jsonl", "--output", "{dir}/missing/out.jsonl"], "out.jsonl: No such file"),
+])
+def test_bad_devices_paths_and_encodings_print_one_line(model_dir, tmp_path, capsys, argv, words):
+    (tmp_path / "latin1.json").write_bytes("{\"caf\u00e9\": 1}".encode("latin-1"))
+    (tmp_path / "broken.json").write_text("{not json")
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "ok"}\n')
+    argv = [a.replace("{dir}", str(tmp_path)) for a in argv]
+    assert main(["generate", "--model", model_dir, "--max-new-tokens", "2", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("refusion generate: error: ") and words in err, err
+
+
+def test_an_unavailable_device_is_one_line_on_every_command_that_takes_one(model_dir, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    for argv in (["generate", "hello"], ["chat"], ["calibrate"], ["eval", "--task", "gsm8k", "--limit", "1"],
+                 ["serve", "--port", "0"]):
+        assert main([*argv, "--model", model_dir, "--device", "cuda"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"refusion {argv[0]}: error: --device=cuda is not available on this machine") \
+            and "\n" not in err, err
+
+
 def test_empty_prompt_is_refused(model_dir, capsys):
     assert main(["generate", "  ", "--model", model_dir]) == 2
     assert "empty prompt" in capsys.readouterr().err

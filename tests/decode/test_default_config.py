@@ -52,3 +52,30 @@ def test_the_embedded_model_decodes_with_its_preset_without_a_config():
     preset = refusion.DecodeConfig.from_preset(embedded.PRESET_NAME, max_new_tokens=16)
     assert _decoded(out) == _decoded(refusion.generate(model, ids, preset))
     assert set(out.stats.per_sequence[0].committed_by) == {"speculative"}  # the exact mode, the preset's strategy
+
+
+@pytest.mark.skipif(not embedded.embedded_available(), reason="this build ships no embedded model")
+def test_building_the_defaults_never_warns_about_themselves():
+    """`DecodeConfig(**default_decode_settings())` and the command line without --model (the README's first command)
+    build their configs without a warning; a field the strategy ignores still warns when the user sets it."""
+    import warnings
+
+    from refusion.arguments import decode_config_from_args
+    from refusion.cli import build_parser
+    from refusion.config import IgnoredSetting
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = refusion.DecodeConfig(**refusion.default_decode_settings())
+        assert cfg == refusion.DecodeConfig.from_preset(embedded.PRESET_NAME)
+        for argv in (["generate", "Write a Python function that returns the square of a number.", "--stats"],
+                     ["chat"], ["serve"]):
+            assert decode_config_from_args(build_parser().parse_args(argv)) == cfg
+        # another strategy on the command line takes the preset's settings for it
+        refusion_cfg = decode_config_from_args(build_parser().parse_args(["generate", "hi", "--strategy", "refusion"]))
+        assert refusion_cfg == refusion.DecodeConfig.from_preset(embedded.PRESET_NAME, strategy="refusion")
+        assert refusion_cfg.slot_size == refusion.preset(embedded.PRESET_NAME)["slot_size"]
+    with pytest.warns(IgnoredSetting, match="slot_size=4 is ignored by strategy='speculative'"):
+        refusion.DecodeConfig(**refusion.default_decode_settings(), slot_size=4)
+    with pytest.warns(IgnoredSetting, match="slot_size=4 is ignored"):
+        decode_config_from_args(build_parser().parse_args(["generate", "hi", "--slot-size", "4"]))

@@ -98,6 +98,25 @@ def test_batches_decoded_with_the_step_decision_are_each_prompt_alone_with_ar(co
             assert out.sequences == ar[:size], (exact, size)
 
 
+def test_sampled_text_depends_on_the_seed_alone_not_on_the_step_decision():
+    """At temperature > 0 the exact mode's text is AR sampling's at the same seed whatever the step verified: forward
+    costs that make a batch draft everything, nothing, or a sequence alone draft, and every batch size."""
+    model = tiny_model("qwen3")
+    cfg = refusion.DecodeConfig(max_new_tokens=16, strategy="autoregressive", eos_token_id=[], temperature=1.0,
+                                seed=11)
+    ar = refusion.generate(model, PROMPTS, cfg).sequences
+    setup = exact_setups(model, ar)
+    for exact in (dict(draft_length=0, lookup_length=8, table_length=16), dict(draft_length=2, lookup_length=4)):
+        spec = cfg.replace(strategy="speculative", **exact)
+        drafted = set()
+        for costs in (FLAT, WIDE_BATCH, None):
+            for size in (1, 8):
+                out = refusion.generate(model, PROMPTS[:size], spec, setup=setup.replace(forward_costs=costs))
+                assert out.sequences == ar[:size], (exact, costs, size)
+                drafted.add(sum(s.drafted for s in out.stats.per_sequence))
+        assert len(drafted) > 2  # the steps verified different drafts
+
+
 def test_where_width_is_expensive_a_batch_drafts_nothing_and_takes_ar_s_forwards():
     model = tiny_model("qwen3")
     cfg = refusion.DecodeConfig(max_new_tokens=16, strategy="autoregressive", eos_token_id=[])

@@ -90,7 +90,7 @@ def test_embedded_model_loads_offline_and_answers_with_its_preset():
     model, tokenizer = refusion.load(device="cpu")
     assert model.config.mask_token_id == tokenizer.convert_tokens_to_ids("<|mask|>") == 49152
     settings = refusion.default_decode_settings()
-    assert settings == refusion.preset(embedded.PRESET_NAME)
+    assert refusion.DecodeConfig(**settings) == refusion.DecodeConfig.from_preset(embedded.PRESET_NAME)
     ids = refusion.encode_prompts(tokenizer, ["Write a Python function that returns the square of a number."])  # the README's prompt
     out = refusion.generate(model, ids, refusion.DecodeConfig.from_preset(embedded.PRESET_NAME, max_new_tokens=128))
     stats = out.stats.per_sequence[0]

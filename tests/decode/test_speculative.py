@@ -93,18 +93,19 @@ def test_unconfident_drafts_are_not_verified():
 
 
 def test_the_draft_cut_reads_the_distribution_not_the_drawn_token():
-    """At temperature > 0 the cut must not depend on which token was drawn (that would bias the sampler):
-    a drawn token of low probability is kept when its distribution peaks above the threshold."""
+    """The cut reads each mask's distribution (softmax(logits / T) at temperature T > 0), never the token drawn: a
+    drawn token of low probability is kept when its distribution peaks above the threshold."""
     from refusion.decode.drafters.masks import confident_drafts
     from refusion.decode.speculate import Drafts
 
     probs = torch.tensor([[0.8, 0.1, 0.1], [0.2, 0.3, 0.5], [0.9, 0.05, 0.05]])
-    drawn = Drafts(torch.tensor([1, 2, 0]), probs)  # the first draft drew a token of probability 0.1
-    assert confident_drafts(drawn, probs.log(), 0.6).tokens.tolist() == [1]  # cut at the flat second mask
-    assert confident_drafts(drawn, probs.log(), 0.5).tokens.tolist() == [1, 2, 0]
-    assert confident_drafts(drawn, probs.log(), 0.0).tokens.tolist() == [1, 2, 0]
-    greedy = Drafts(probs.argmax(-1), None)  # greedy drafts: the peaks come from the logits
-    assert confident_drafts(greedy, probs.log(), 0.85).tokens.tolist() == []
+    drawn = Drafts(torch.tensor([1, 2, 0]))  # the first draft drew a token of probability 0.1
+    assert confident_drafts(drawn, probs.log(), 0.6, 1.0).tokens.tolist() == [1]  # cut at the flat second mask
+    assert confident_drafts(drawn, probs.log(), 0.5, 1.0).tokens.tolist() == [1, 2, 0]
+    assert confident_drafts(drawn, probs.log(), 0.0, 1.0).tokens.tolist() == [1, 2, 0]
+    assert confident_drafts(drawn, probs.log(), 0.6, 2.0).tokens.tolist() == []  # flatter at T = 2: 0.8 -> 0.59
+    greedy = Drafts(probs.argmax(-1))  # greedy drafts: the peaks of the logits' own softmax
+    assert confident_drafts(greedy, probs.log(), 0.85, 0.0).tokens.tolist() == []
 
 
 def _ar_continuation_model(masks_right: dict[int, bool], ar: dict[int, int]) -> ScriptedLM:
@@ -191,14 +192,22 @@ def test_speculative_sampling_follows_the_autoregressive_distribution(prompt, lo
         assert 0.05 * n < accepted < 0.95 * n  # the acceptance rule ran both ways
 
 
-def test_speculative_sampling_is_reproducible_and_batch_independent():
+@pytest.mark.parametrize("exact", [dict(draft_length=2), dict(draft_length=2, predraft=True, draft_threshold=0.2),
+                                   dict(draft_length=0, lookup_length=4), dict(draft_length=3, lookup_length=4)])
+def test_speculative_sampling_is_ar_sampling_sample_for_sample(exact):
+    """At temperature > 0 each position's token is the Gumbel-max sample with that position's own noise, so the
+    exact mode gives AR sampling's text at the same seed, alone or batched, whatever it drafted."""
     model = tiny_model("qwen3", dtype=torch.float64)
-    cfg = refusion.DecodeConfig(max_new_tokens=16, strategy="speculative", temperature=2.0, seed=3, eos_token_id=[])
-    both = refusion.generate(model, PROMPTS[:2], cfg).sequences
-    assert refusion.generate(model, PROMPTS[:2], cfg).sequences == both
-    assert refusion.generate(model, PROMPTS[:1], cfg).sequences == both[:1]
-    greedy = refusion.generate(model, PROMPTS[:2], cfg.replace(temperature=0.0)).sequences
-    assert both != greedy
+    cfg = refusion.DecodeConfig(max_new_tokens=16, strategy="autoregressive", temperature=1.5, seed=3,
+                                eos_token_id=[])
+    ar = refusion.generate(model, PROMPTS, cfg).sequences
+    spec = cfg.replace(strategy="speculative", **exact)
+    out = refusion.generate(model, PROMPTS, spec)
+    assert out.sequences == ar and sum(s.accepted for s in out.stats.per_sequence) > 0
+    assert refusion.generate(model, PROMPTS[:1], spec).sequences == ar[:1]
+    assert refusion.generate(model, PROMPTS[1:2], spec.replace(seed=4)).sequences == ar[1:2]  # seed + index
+    assert refusion.generate(model, PROMPTS, spec.replace(seed=5)).sequences != ar
+    assert ar != refusion.generate(model, PROMPTS, cfg.replace(temperature=0.0)).sequences
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])

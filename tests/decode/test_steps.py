@@ -13,6 +13,7 @@ from refusion.decode.infill import (
     verify_selected,
 )
 from refusion.decode.plan import greedy, next_token, plan_slots, select_slots, token_confidence
+from refusion.decode.sampling import PositionNoise, decided_tokens, position_seed
 from refusion.decode.speculate import Drafts, accept_drafts
 
 
@@ -162,11 +163,11 @@ def test_cut_after_first_eos():
 # ------------------------------------------------------------------------------------------- speculative
 def test_greedy_accepts_drafts_while_they_equal_the_ar_argmax():
     ar_logits = log_probs([0.1, 0.2, 0.7], [0.1, 0.8, 0.1], [0.3, 0.1, 0.6], [0.5, 0.4, 0.1])  # argmax 2 1 2 0
-    drafts = Drafts(torch.tensor([2, 1, 0]), None)
+    drafts = Drafts(torch.tensor([2, 1, 0]))
     assert accepted_and_following(drafts, ar_logits, 0.0, None) == (2, 2)  # the third draft (0) is not the argmax (2)
     # all accepted: the token after the last draft (drafts whose ids the host knows, as copied ones, alike)
-    assert accepted_and_following(Drafts(torch.tensor([2, 1, 2]), None), ar_logits, 0.0, None) == (3, 0)
-    assert accepted_and_following(Drafts(torch.tensor([2, 1, 2]), None, (2, 1, 2)), ar_logits, 0.0, None) == (3, 0)
+    assert accepted_and_following(Drafts(torch.tensor([2, 1, 2])), ar_logits, 0.0, None) == (3, 0)
+    assert accepted_and_following(Drafts(torch.tensor([2, 1, 2]), (2, 1, 2)), ar_logits, 0.0, None) == (3, 0)
     assert accepted_and_following(Drafts.none("cpu"), ar_logits[:1], 0.0, None) == (0, 2)
 
 
@@ -177,36 +178,48 @@ def accepted_and_following(*args) -> tuple[int, int]:
     return accepted, following_id
 
 
-def test_sampling_accepts_every_draft_when_q_equals_p():
-    one_hot = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
-    drafts = Drafts(torch.tensor([1, 2]), one_hot)
-    ar_logits = log_probs([0, 1, 0], [0, 0, 1], [1, 0, 0])
+def test_each_positions_noise_depends_on_the_seed_and_the_position_alone():
+    noise = PositionNoise(7)
+    both = noise.gumbel(3, 2, 50)  # [2, 50]: positions 3 and 4
+    noise.gumbel(0, 5, 50)  # draws made in between change nothing
+    assert torch.equal(noise.gumbel(4, 1, 50)[0], both[1]) and torch.equal(PositionNoise(7).gumbel(3, 1, 50)[0], both[0])
+    assert not torch.equal(both[0], both[1])
+    assert not torch.equal(PositionNoise(8).gumbel(3, 1, 50)[0], both[0])
+    assert len({position_seed(s, p) for s in range(20) for p in range(20)}) == 400
+    assert float(PositionNoise(0).gumbel(0, 1, 20000).mean()) == pytest.approx(0.5772, abs=0.03)  # Euler's gamma
+
+
+def test_sampling_accepts_a_draft_exactly_when_it_is_its_positions_sample():
+    ar_logits = log_probs([0.3, 0.3, 0.4], [0.2, 0.5, 0.3], [0.4, 0.4, 0.2], [0.1, 0.1, 0.8])
+    for seed in range(40):
+        noise = PositionNoise(seed)
+        samples = decided_tokens(ar_logits, 1.0, noise, 10).tolist()  # the tokens of positions 10..13
+        drafts = Drafts(torch.tensor([samples[0], samples[1], (samples[2] + 1) % 3]))
+        assert accepted_and_following(drafts, ar_logits, 1.0, noise, 10) == (2, samples[2])
+        assert accepted_and_following(Drafts(torch.tensor(samples[:3])), ar_logits, 1.0, noise, 10) == (3, samples[3])
+
+
+def test_sampling_never_accepts_a_token_the_target_never_gives():
+    drafts = Drafts(torch.tensor([1, 1]))
+    ar_logits = log_probs([0.5, 0, 0.5], [1, 0, 0], [1, 0, 0])  # p(1) = 0 at the first draft
     for seed in range(20):
-        assert accepted_and_following(drafts, ar_logits, 1.0, seeded(seed)) == (2, 0)
+        accepted, following = accepted_and_following(drafts, ar_logits, 1.0, PositionNoise(seed))
+        assert accepted == 0 and following in (0, 2)
 
 
-def test_sampling_rejects_a_draft_the_target_never_gives_and_samples_the_residual():
-    drafts = Drafts(torch.tensor([1, 1]), torch.tensor([[0.0, 1.0, 0.0], [0.0, 1.0, 0.0]]))
-    ar_logits = log_probs([0, 0, 1], [1, 0, 0], [1, 0, 0])  # p(1) = 0 at the first draft
-    for seed in range(20):
-        assert accepted_and_following(drafts, ar_logits, 1.0, seeded(seed)) == (0, 2)  # residual max(0, p - q) = p
-
-
-def test_speculative_sampling_keeps_the_target_distribution():
-    # p = (0.5, 0.5, 0), the draft is always token 0 (q one-hot): accepted with probability p/q = 0.5, and a
-    # rejection resamples from max(0, p - q) = (0, 0.5, 0): token 1. So the first token is 0 or 1, half each.
-    drafts = Drafts(torch.tensor([0]), torch.tensor([[1.0, 0.0, 0.0]]))
+def test_sampling_keeps_the_target_distribution_whatever_the_draft():
+    # p = (0.5, 0.5, 0) and the draft is always token 0: the first token is 0 or 1, half each, and it is the draft
+    # exactly when it is 0
     ar_logits = log_probs([0.5, 0.5, 0.0], [0.0, 0.0, 1.0])
-    firsts, generator = [], seeded()
-    for _ in range(500):
-        accepted, following = accepted_and_following(drafts, ar_logits, 1.0, generator)
+    firsts = []
+    for seed in range(500):
+        accepted, following = accepted_and_following(Drafts(torch.tensor([0])), ar_logits, 1.0, PositionNoise(seed))
         firsts.append(0 if accepted == 1 else following)
-        assert accepted == 0 or following == 2
+        assert (accepted == 1) == (firsts[-1] == 0) and (accepted == 0 or following == 2)
     assert sum(t == 0 for t in firsts) / len(firsts) == pytest.approx(0.5, abs=0.07)  # 3 sigma
     assert set(firsts) == {0, 1}
 
 
-def test_sampled_drafts_need_their_distribution():
-    with pytest.raises(ValueError, match="draft distribution"):
-        accept_drafts(Drafts(torch.tensor([1]), None), log_probs([0.5, 0.5], [0.5, 0.5]), 1.0, seeded())
-
+def test_sampling_needs_the_sequences_noise():
+    with pytest.raises(ValueError, match="PositionNoise"):
+        accept_drafts(Drafts(torch.tensor([1])), log_probs([0.5, 0.5], [0.5, 0.5]), 1.0, None)

@@ -65,6 +65,22 @@ def test_recipe_values_are_overridden_by_flags(tmp_path):
         cli.config_from_args(_parse(["--config", "nope"]))
 
 
+@pytest.mark.parametrize("content, message", [
+    (b"max_steps: [\n", r"r\.yaml: not valid YAML \(.* at line 2, column 1\)"),
+    (b"model: caf\xe9\n", r"r\.yaml is not UTF-8 text"),
+])
+def test_a_recipe_that_does_not_parse_is_one_line(tmp_path, capsys, content, message):
+    from refusion.cli import main
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        cli.config_from_args(_parse(["--config", str(recipe)]))
+    assert main(["train", "--config", str(recipe)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("refusion train: error: --config ") and "\n" not in err
+
+
 @pytest.mark.parametrize("name", cli.recipe_names())
 def test_packaged_recipes_load(name):
     config = cli.config_from_args(_parse(["--config", name, "--output", "o", "--data", "d"]))

@@ -56,6 +56,13 @@ def test_malformed_record_names_file_and_line(tmp_path, line, message):
         load_conversations(str(path))
 
 
+def test_a_file_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(json.dumps({"query": "caf\u00e9", "response": "r"}, ensure_ascii=False).encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1\.jsonl is not UTF-8 text"):
+        load_conversations(str(path))
+
+
 def test_missing_and_empty_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.jsonl does not exist"):
         load_conversations(str(tmp_path / "nope.jsonl"))

@@ -12,13 +12,14 @@ import sys
 from refusion.arguments import (
     add_decode_arguments,
     add_model_arguments,
+    check_text,
     decode_config_from_args,
     load_from_args,
 )
 from refusion.data import BUILTIN_DATASETS
 from refusion.decode.stream import ResponseStream, response_text
 from refusion.engine.answers import add_keep_alive_argument
-from refusion.jsonl import jsonl_records
+from refusion.jsonl import jsonl_records, not_utf8
 
 
 def add_parser(subparsers) -> None:
@@ -80,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
     prompts = [read_stdin() if p == "-" else p for p in args.prompts]
     if any(not p.strip() for p in prompts):
         raise ValueError("empty prompt: give some text to respond to")
+    for i, prompt in enumerate(prompts):
+        check_text(prompt, f"prompt {i + 1}" if len(prompts) > 1 else "the prompt")
+    check_text(args.system, "--system")
+    schema = read_json_schema(args.json_schema) if args.json_schema else None
     cfg = decode_config_from_args(args)  # validated before the model loads
     if through_engine(args):
         from refusion.engine import answers
@@ -96,9 +101,7 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_from_args(args)
     input_ids = encode_prompts(tokenizer, prompts, chat=not args.no_chat, system=args.system)
     structured = {}
-    if args.json_schema:
-        with open(args.json_schema) as f:
-            schema = json.load(f)
+    if schema is not None:
         structured = dict(response_format={"type": "json_schema", "json_schema": {"name": "cli", "schema": schema}},
                           tokenizer=tokenizer)
     if args.stats and not args.json:  # the numbers in force: dtype and kernels (the same on every run of a machine)
@@ -226,6 +229,18 @@ def stats_line(cfg, stats) -> str:
             f"{stats.seconds:.2f} s | {stats.finish_reason}]")
 
 
+def read_json_schema(path: str) -> dict:
+    """The JSON schema of --json-schema, read before the model loads (a file that is missing, not UTF-8 or not JSON
+    is a one-line error)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except UnicodeDecodeError as e:
+        raise not_utf8(f"--json-schema {path}", e) from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--json-schema {path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+
+
 def read_stdin() -> str:
     """The prompt on stdin, read as UTF-8 (another encoding is a one-line error, not a tokenizer traceback)."""
     raw = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode("utf-8", "surrogateescape")
@@ -298,6 +313,9 @@ def run_file(args: argparse.Namespace) -> int:
         raise ValueError(f"--limit={args.limit} is invalid: must be >= 1")
     if args.skip < 0 or (args.limit is not None and args.skip >= args.limit):
         raise ValueError(f"--skip={args.skip} is invalid: must be >= 0 and below --limit")
+    if os.path.isdir(args.output):
+        raise ValueError(f"--output {args.output} is a directory: give a JSONL file")
+    check_text(args.system, "--system")
     prompts = read_prompt_file(args.input)[args.skip:args.limit]
     done = count_done(args.output, prompts)
     cfg = decode_config_from_args(args)

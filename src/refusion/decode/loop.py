@@ -22,6 +22,7 @@ from refusion.decode.grammar import ResponseGrammar, check_strategy
 from refusion.decode.outputs import BatchStats, GenerationOutput, GenerationStats, RoundTrace
 from refusion.decode.prefix_cache import PrefixCache, inexact_reason, namespace_of, narrowed
 from refusion.decode.programs import start_program
+from refusion.decode.sampling import PositionNoise
 from refusion.decode.sequence import DraftOffer, Forward, Program, Sequence
 from refusion.model.compiled import bucket_width
 from refusion.model.setup import ModelSetup, check_promise, setup_of
@@ -72,17 +73,19 @@ class Decoder:
         """Start decoding a prompt; it joins the batch at the next step. `grammar`: the response's structured-output
         grammar (AR and exact mode only; `ResponseGrammar.compile`), or None.
 
-        The prompt is validated here (a bad one raises before any forward). At temperature > 0 without a
-        generator, the sequence gets its own: seeded with cfg.seed + index, or at random when cfg.seed is None.
+        The prompt is validated here (a bad one raises before any forward). At temperature > 0 the sequence samples
+        with seed cfg.seed + index (at random when cfg.seed is None; with `generator`: plan and infill draws from it,
+        AR decoding and the exact mode draw their seed from it): `sequence_generator`, `sequence_noise`.
         """
         validate_prompts(self.model, [prompt], cfg, mask_token_id, first_index=index)
         if grammar is not None:
             check_strategy(cfg.strategy)
-        generator = sequence_generator(cfg, index, generator, self.device)
+        noise = sequence_noise(cfg, index, generator, self.device)
+        generator = sequence_generator(cfg, index, generator, self.device) if noise is None else None
         seq = Sequence(self._next_id, prompt, cfg, mask_token_id=mask_token_id, eos_token_ids=eos_token_ids,
                        cache=self.cache, device=self.device, generator=generator, trace=trace, on_round=on_round,
                        draft_table=self.setup.draft_table, grammar=None if grammar is None else grammar.state(),
-                       forward_costs=self._forward_costs(cfg))
+                       forward_costs=self._forward_costs(cfg), noise=noise)
         self._next_id += 1
         try:
             if self.prefix_cache is not None:
@@ -325,16 +328,36 @@ def validate_prompts(model, prompts: list[list[int]], cfg: DecodeConfig, mask_id
                              f"(canvas {new_tokens}) exceeds the model's context of {max_positions} positions")
 
 
+def sequence_seed(cfg: DecodeConfig, index: int) -> int:
+    """The sampling seed of sequence `index` of a batch: cfg.seed + index, or at random when cfg.seed is None."""
+    return cfg.seed + index if cfg.seed is not None else int(torch.randint(0, 2**62, (1,)))
+
+
 def sequence_generator(cfg: DecodeConfig, index: int, generator: torch.Generator | None,
                        device: torch.device | str = "cpu") -> torch.Generator | None:
-    """The random generator of sequence `index`: none at temperature 0; the one given; else a generator on
-    `device` (where the logits are, so noise is drawn there) seeded with seed + index, or at random."""
+    """Plan and infill's random generator for sequence `index` (its plans draw from it in turn): none at temperature
+    0; the one given; else a generator on `device` (where the logits are, so noise is drawn there) seeded with
+    `sequence_seed`."""
     if cfg.temperature == 0:
         return None
     if generator is not None:
         return generator
-    seed = cfg.seed + index if cfg.seed is not None else int(torch.randint(0, 2**62, (1,)))
-    return torch.Generator(device=device).manual_seed(seed)
+    return torch.Generator(device=device).manual_seed(sequence_seed(cfg, index))
+
+
+def sequence_noise(cfg: DecodeConfig, index: int, generator: torch.Generator | None,
+                   device: torch.device | str = "cpu") -> PositionNoise | None:
+    """AR decoding's and the exact mode's sampling noise for sequence `index` (`sampling.PositionNoise`: each
+    position's draw keyed by the seed and the position, so the text does not depend on the batch or on the drafts
+    verified): none at temperature 0 or for plan and infill; seeded with a seed drawn from `generator` when one is
+    given, else with `sequence_seed`, on `device`."""
+    if cfg.temperature == 0 or cfg.strategy == "refusion":
+        return None
+    if generator is not None:
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+    else:
+        seed = sequence_seed(cfg, index)
+    return PositionNoise(seed, device)
 
 
 @torch.inference_mode()
@@ -352,8 +375,9 @@ def generate(model, input_ids, cfg: DecodeConfig | None = None, *, attention_mas
             "refusion-smol", else the DecodeConfig defaults); keyword `overrides` replace single fields (e.g.
             ``max_new_tokens=64``).
         trace: also return, per sequence, what each round planned and committed.
-        generator: random generator shared by all sequences when temperature > 0 (default: one per
-            sequence, seeded with cfg.seed + index).
+        generator: random generator for every sequence when temperature > 0 (default: each sequence samples with
+            seed cfg.seed + index). Plan and infill draws its plans' noise from it in turn; AR decoding and the
+            exact mode draw each sequence's seed from it, in order.
         on_round: called after every round of every sequence with (sequence, RoundTrace).
         setup: what refusion adds to the model (special tokens, draft table, kernels: `refusion.model.setup`);
             None: `setup_of(model)`, the one `refusion.load` / `refusion.prepare` attached, or for a plain

@@ -22,6 +22,7 @@ from refusion.decode.grammar import GrammarState
 from refusion.decode.infill import cut_after_first_eos
 from refusion.decode.logprobs import TokenLogprob, TokenLogprobs, shifted_token_logprobs, token_logprobs
 from refusion.decode.outputs import RoundTrace, SequenceStats, SlotEvent
+from refusion.decode.sampling import PositionNoise
 from refusion.model.calibration import ForwardCosts
 from refusion.model.draft_table import DraftTable
 
@@ -84,7 +85,7 @@ class Sequence:
                  eos_token_ids: list[int], cache: SlotCache, device: torch.device,
                  generator: torch.Generator | None = None, trace: bool = False, on_round=None,
                  draft_table: DraftTable | None = None, grammar: GrammarState | None = None,
-                 forward_costs: ForwardCosts | None = None):
+                 forward_costs: ForwardCosts | None = None, noise: PositionNoise | None = None):
         self.id, self.cfg, self.cache, self.device = seq_id, cfg, cache, device
         self.draft_table = draft_table  # the model's n-gram drafts (exact mode, cfg.table_length), or None
         self.forward_costs = forward_costs  # seconds of a forward by width (the exact mode's draft count), or None
@@ -93,7 +94,8 @@ class Sequence:
         self.mask_token_id = mask_token_id
         self.eos_ids = torch.tensor(eos_token_ids, dtype=torch.long, device=device)
         self._eos_id_set = frozenset(eos_token_ids)  # the same ids, for tokens already on the host
-        self.generator = generator
+        self.generator = generator  # plan and infill's sampling stream (temperature > 0), or None
+        self.noise = noise  # AR and exact-mode sampling: each position's own noise (temperature > 0), or None
         self.cached_prefix = 0
         """Prompt tokens whose KV entries came from the prefix cache (`reuse_prefix`): the prefill starts after them."""
         self.committed_tokens: list[torch.Tensor] = []

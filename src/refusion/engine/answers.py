@@ -110,7 +110,7 @@ def generate(args, prompts: list[str], cfg: DecodeConfig, streamed: bool) -> int
     engine, keep_alive = opened
     spec = load_spec(args)
     try:
-        card = engine.load(spec, keep_alive)
+        card = engine.load(spec, keep_alive, cfg.strategy)
     except EngineRefused as e:
         raise ValueError(str(e)) from None  # the model itself cannot be loaded: the same error in-process
     except EngineUnavailable as e:
@@ -253,7 +253,7 @@ def chat(args, cfg: DecodeConfig, in_process: Callable[[], object]) -> EngineCha
     engine, keep_alive = opened
     spec = load_spec(args)
     try:
-        card = engine.load(spec, keep_alive)
+        card = engine.load(spec, keep_alive, cfg.strategy)
     except EngineRefused as e:
         raise ValueError(str(e)) from None
     except EngineUnavailable as e:

@@ -118,10 +118,11 @@ class Engine:
                 return False
         return True
 
-    def load(self, spec: dict, keep_alive: float) -> dict:
-        """Load the model of `spec` (once, whoever asks at the same time) and return its card: the setup line, the
-        decoding defaults the engine serves it with, whether it has a chat template."""
-        return self.call("POST", "/engine/load", {"spec": spec, "keep_alive": keep_alive}, timeout=LOAD_SECONDS)
+    def load(self, spec: dict, keep_alive: float, strategy: str | None = None) -> dict:
+        """Load the model of `spec` (once, whoever asks at the same time) and return its card: the setup line (for
+        `strategy`), the decoding defaults the engine serves it with, whether it has a chat template."""
+        return self.call("POST", "/engine/load", {"spec": spec, "keep_alive": keep_alive, "strategy": strategy},
+                         timeout=LOAD_SECONDS)
 
     def stop(self) -> dict:
         return self.call("POST", "/engine/stop", {})

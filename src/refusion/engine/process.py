@@ -67,9 +67,15 @@ class Resident:
     def idle_seconds(self, now: float) -> float:
         return 0.0 if self.active or self.scheduler.busy else now - self.last_used
 
-    def card(self) -> dict:
+    def card(self, strategy: str | None = None) -> dict:
+        """What a command prints and needs of the model: its setup line (for `strategy`: whether its drafts are
+        priced), the decoding defaults it is served with, whether it has a chat template."""
+        from refusion.config import DecodeConfig
+        from refusion.decode.cli import setup_line
+
         server = self.app.state.server
-        return {"key": self.key, "spec": self.spec, "setup": server.engine["setup"], "dtype": server.engine["dtype"],
+        setup = setup_line(server.model, DecodeConfig(strategy=strategy or server.config.strategy))
+        return {"key": self.key, "spec": self.spec, "setup": setup, "dtype": server.engine["dtype"],
                 "device": server.engine["device"], "defaults": server.config.to_dict(),
                 "chat_template": bool(getattr(server.tokenizer, "chat_template", None)),
                 "context_length": server.context_length}
@@ -82,12 +88,14 @@ def spec_key(spec: dict) -> str:
 def load_resident(spec: dict) -> Resident:
     """(worker thread) Load the model of `spec` and start its app's scheduler, with the decoding defaults a command
     uses for it: the embedded model's preset when no model is named (`arguments.decode_config_from_args`)."""
+    from refusion.arguments import check_device
     from refusion.config import DecodeConfig
     from refusion.model.embedded import default_decode_settings_or_none
     from refusion.serve.app import create_app
     from refusion.serve.replicas import LoadSpec
 
     load = LoadSpec(**spec)
+    check_device(load.device)
     model, tokenizer = load.load()
     defaults = default_decode_settings_or_none() if load.model is None else None
     config = DecodeConfig(**defaults) if defaults else DecodeConfig()
@@ -175,7 +183,7 @@ class Engine:
         return {"identity": identity(), "pid": os.getpid(), "stopping": self.stopping, "loading": self.loading,
                 "models": [{"key": r.key, "spec": r.spec, "loaded_seconds": now - r.loaded_at,
                             "idle_seconds": r.idle_seconds(now), "keep_alive": r.keep_alive, "active": r.active,
-                            "setup": r.card()["setup"]} for r in reversed(self.models.values())]}
+                            "setup": r.app.state.server.engine["setup"]} for r in reversed(self.models.values())]}
 
 
 def control_app(engine: Engine):
@@ -195,7 +203,7 @@ def control_app(engine: Engine):
             resident = await engine.resident(body["spec"], float(body.get("keep_alive", engine.keep_alive)))
         except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:
             return JSONResponse(error(str(e)), status_code=400)
-        return resident.card()
+        return resident.card(body.get("strategy"))
 
     @app.post("/engine/stop")
     async def stop():

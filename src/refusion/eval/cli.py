@@ -112,9 +112,17 @@ def _split(values: list[str]) -> list[str]:
     return [v.strip() for value in values for v in value.split(",") if v.strip()]
 
 
-def _check(settings, configs: bool = True) -> None:
-    """Everything that can be wrong with the input, before the (slow) model load."""
+def _check(settings, device: str | None, configs: bool = True, outputs=()) -> None:
+    """Everything that can be wrong with the input, before the (slow) model load: the tasks' data, the settings,
+    --device, and that the files to write (`outputs`, None: not asked for) can be created."""
+    from refusion.arguments import check_device
     from refusion.eval.tasks import load_examples
+    from refusion.viz.schema import check_writable
+
+    check_device(device)
+    for path in outputs:
+        if path is not None:
+            check_writable(path)
     for task in settings.tasks:
         load_examples(task, settings.data_dir, 1)
         for strategy in settings.strategies if configs else []:
@@ -131,7 +139,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from refusion.eval.runner import Processes, evaluate, format_table, write_json
 
     settings = settings_from_args(args, _split(args.task), _split([args.strategy]))
-    _check(settings)
+    _check(settings, args.device, outputs=(args.output, args.samples))
     processes = Processes.detect()
     model, tokenizer = _load_model(args, processes)
     document = evaluate(model, tokenizer, settings, processes=processes, samples_path=args.samples)
@@ -154,7 +162,7 @@ def run_bench(args: argparse.Namespace) -> int:
     sweeps = parse_sweeps(args.sweep)
     strategies = ["refusion"] + ([] if args.no_baseline else ["autoregressive"])
     settings = settings_from_args(args, [args.task], strategies)
-    _check(settings, configs=False)  # the swept fields are checked point by point
+    _check(settings, args.device, configs=False)  # the swept fields are checked point by point
     from refusion.eval.sweep import grid, validate_grid
     validate_grid(settings, args.task, grid(sweeps))
     processes = Processes.detect()

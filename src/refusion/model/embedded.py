@@ -30,11 +30,13 @@ def embedded_adapter_dir() -> Path:
 
 
 def default_decode_settings() -> dict:
-    """DecodeConfig keyword arguments tuned for the embedded model (the "refusion-smol" preset)."""
-    from refusion.config import preset
+    """DecodeConfig keyword arguments tuned for the embedded model: those of the "refusion-smol" preset that its
+    strategy reads, so `DecodeConfig(**default_decode_settings())` warns about none of them (the preset also holds
+    plan-and-infill settings: `DecodeConfig.from_preset(PRESET_NAME, strategy="refusion")` decodes with those)."""
+    from refusion.config import layered_settings
 
     embedded_adapter_dir()  # raises the error that explains what is missing
-    return preset(PRESET_NAME)
+    return layered_settings(PRESET_NAME)
 
 
 def preset_for(directory) -> str | None:
@@ -46,3 +48,9 @@ def preset_for(directory) -> str | None:
 def default_decode_settings_or_none() -> dict | None:
     """The embedded model's decoding settings, or None when this build has no embedded model."""
     return default_decode_settings() if embedded_available() else None
+
+
+def default_preset_or_none() -> str | None:
+    """The embedded model's preset name (the decoding settings of every strategy tuned for it), or None when this
+    build has no embedded model."""
+    return PRESET_NAME if embedded_available() else None

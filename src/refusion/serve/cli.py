@@ -10,6 +10,7 @@ from refusion.arguments import (
     add_dataclass_arguments,
     add_decode_arguments,
     add_model_arguments,
+    check_device,
     decode_config_from_args,
     load_from_args,
 )
@@ -83,32 +84,6 @@ def run(args: argparse.Namespace) -> int:
     server = GracefulServer(config, app.state.server.scheduler, grace=settings.shutdown_grace)
     server.run()
     return 0 if server.started else 1
-
-
-def check_device(text: str | None) -> None:
-    """A ValueError (one line) for a --device torch does not know or this machine does not have."""
-    if text is None:
-        return
-    import torch
-
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise ValueError(f"--device={text} is not a device: use cpu, cuda, cuda:N, mps or xpu") from None
-    backend = {"cuda": torch.cuda, "mps": torch.backends.mps, "xpu": getattr(torch, "xpu", None)}
-    if device.type == "cpu":
-        return
-    if device.type not in backend:
-        raise ValueError(f"--device={text} is not supported: use cpu, cuda, cuda:N, mps or xpu")
-    module = backend[device.type]
-    if module is None or not module.is_available():
-        why = "this torch was built without CUDA" if device.type == "cuda" and torch.version.cuda is None \
-            and torch.version.hip is None else f"no {device.type} device is available"
-        raise ValueError(f"--device={text} is not available on this machine: {why} (use --device cpu)")
-    count = module.device_count() if hasattr(module, "device_count") else 1
-    if device.index is not None and device.index >= count:
-        raise ValueError(f"--device={text} is not available on this machine: it has {count} {device.type} "
-                         f"device(s), {device.type}:0 to {device.type}:{count - 1}")
 
 
 def show_server_log(level: str) -> None:

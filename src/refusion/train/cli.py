@@ -55,13 +55,22 @@ def read_recipe(name_or_path: str) -> dict:
     """Values of a recipe file, or of the packaged recipe with that name."""
     import yaml
 
+    from refusion.jsonl import not_utf8
+
     path = Path(name_or_path)
     if not path.is_file() and (RECIPES_DIR / f"{name_or_path}.yaml").is_file():
         path = RECIPES_DIR / f"{name_or_path}.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"--config {name_or_path}: no such file or packaged recipe "
                                 f"(packaged: {', '.join(recipe_names())})")
-    values = yaml.safe_load(path.read_text()) or {}
+    try:
+        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise not_utf8(f"--config {path}", e) from None
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+        raise ValueError(f"--config {path}: not valid YAML ({getattr(e, 'problem', None) or e}{at})") from None
     if not isinstance(values, dict):
         raise ValueError(f"--config {path}: expected a mapping of TrainConfig fields, got {type(values).__name__}")
     return values

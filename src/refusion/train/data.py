@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from refusion.data import BUILTIN_DATASETS, builtin_train_files, builtin_train_pairs, default_data_dir
-from refusion.jsonl import open_text, parse_lines
+from refusion.jsonl import not_utf8, open_text, parse_lines
 
 __all__ = ["BUILTIN_DATASETS", "Conversation", "TokenizedData", "check_sources", "default_data_dir",
            "load_conversations", "load_training_data", "response_eos_id", "tokenize_conversations"]
@@ -77,8 +77,11 @@ def read_json_records(path: str | Path) -> Iterator[tuple[str, dict]]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} does not exist")
-    with open_text(path) as f:
-        text = f.read()
+    try:
+        with open_text(path) as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise not_utf8(path, e) from None
     if text.lstrip().startswith("["):
         try:
             records = json.loads(text)

@@ -36,8 +36,6 @@ class DraftContext:
     """How many tokens may still follow the next one (max_new_tokens): drafts beyond are never verified."""
     batch: int = 1
     """How many sequences share the step's forward."""
-    vocab_size: int = 0
-    """Width of the model's logits (a copied draft's one-hot distribution at temperature > 0)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +77,8 @@ class Verdict:
     rows: torch.Tensor | None = None
     """[d, V] the logits of the rows the proposal's drafter added to the forward that read the accepted drafts
     (`Drafter.rows`); None when it added none for that acceptance."""
+    rows_start: int = 0
+    """The position the first of `rows` drafts (the others draft the positions after it)."""
 
 
 class Drafter:

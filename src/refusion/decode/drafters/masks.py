@@ -9,27 +9,26 @@ import torch
 from refusion.decode.costs import AcceptanceByDepth, chances, expected_tokens
 from refusion.decode.drafters.base import DraftContext, Drafter, Proposal, Verdict
 from refusion.decode.infill import accepted_prefix
-from refusion.decode.plan import greedy
-from refusion.decode.speculate import Drafts, sample
+from refusion.decode.sampling import PositionNoise, decided_tokens
+from refusion.decode.speculate import Drafts
 
 
-def draft_tokens_from_masks(mask_logits: torch.Tensor, temperature: float,
-                            generator: torch.Generator | None) -> Drafts:
-    """[d, V] logits at masked positions -> drafts: argmax at temperature 0, else samples of softmax(l / T)."""
-    if temperature <= 0:
-        return Drafts(greedy(mask_logits), None)
-    probs = torch.softmax(mask_logits.float() / temperature, -1)
-    return Drafts(sample(probs, generator).squeeze(-1), probs)
+def draft_tokens_from_masks(mask_logits: torch.Tensor, temperature: float, noise: PositionNoise | None,
+                            start: int) -> Drafts:
+    """[d, V] logits at the masks of positions start .. start + d - 1 -> drafts: the argmax at temperature 0, else the
+    Gumbel-max sample of softmax(l / T) with each position's own noise, the noise AR decoding's sample there will
+    use (so a draft is accepted whenever the masks' distribution and AR's agree on where that noise points)."""
+    return Drafts(decided_tokens(mask_logits, temperature, noise, start))
 
 
-def confident_drafts(drafts: Drafts, mask_logits: torch.Tensor, threshold: float) -> Drafts:
-    """The drafts before the first mask whose draft distribution peaks below `threshold` ([d, V] mask_logits:
-    the logits they were drafted from). Verifying fewer drafts never changes what is committed, only how fast;
-    the cut depends on the distributions, not on the tokens drawn from them, so sampling stays exact."""
+def confident_drafts(drafts: Drafts, mask_logits: torch.Tensor, threshold: float, temperature: float) -> Drafts:
+    """The drafts before the first mask whose draft distribution (softmax of the [d, V] `mask_logits` they were
+    drafted from, divided by the temperature when > 0) peaks below `threshold`. Verifying fewer drafts never changes
+    what is committed, only how fast."""
     if threshold <= 0 or drafts.tokens.numel() == 0:
         return drafts
-    probs = drafts.probs if drafts.probs is not None else torch.softmax(mask_logits.float(), -1)
-    return drafts[: int(accepted_prefix(probs.amax(-1) >= threshold).sum())]
+    logits = mask_logits.float() / temperature if temperature > 0 else mask_logits.float()
+    return drafts[: int(accepted_prefix(torch.softmax(logits, -1).amax(-1) >= threshold).sum())]
 
 
 class MaskDrafter(Drafter):
@@ -41,9 +40,9 @@ class MaskDrafter(Drafter):
     name = "masks"
 
     def __init__(self, draft_length: int, end: int, predraft: bool = False, threshold: float = 0.0,
-                 temperature: float = 0.0, generator: torch.Generator | None = None, device="cpu"):
+                 temperature: float = 0.0, noise: PositionNoise | None = None, device="cpu"):
         self.draft_length, self.end, self.predraft, self.threshold = draft_length, end, predraft, threshold
-        self.temperature, self.generator, self.device = temperature, generator, device
+        self.temperature, self.noise, self.device = temperature, noise, device
         self.pending = Drafts.none(device)  # read from the last forward's masks
         self.acceptance = AcceptanceByDepth()  # of its chains, in this sequence
 
@@ -54,7 +53,7 @@ class MaskDrafter(Drafter):
         if not cfg.draft_length:
             return None
         return MaskDrafter(cfg.draft_length, seq.prompt_length + cfg.max_new_tokens, cfg.predraft,
-                           cfg.draft_threshold, cfg.temperature, seq.generator, seq.device)
+                           cfg.draft_threshold, cfg.temperature, seq.noise, seq.device)
 
     def mask_positions(self, after: int) -> torch.Tensor:
         """Positions of the masks that draft the tokens after position `after` + 1 (the first mask stands for the
@@ -83,5 +82,5 @@ class MaskDrafter(Drafter):
         if logits is None:
             self.pending = Drafts.none(self.device)
             return
-        drafts = draft_tokens_from_masks(logits, self.temperature, self.generator)
-        self.pending = confident_drafts(drafts, logits, self.threshold).on_host()
+        drafts = draft_tokens_from_masks(logits, self.temperature, self.noise, verdict.rows_start)
+        self.pending = confident_drafts(drafts, logits, self.threshold, self.temperature).on_host()

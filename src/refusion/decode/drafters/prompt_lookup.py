@@ -29,21 +29,21 @@ class PromptLookup(Drafter):
 
     name = "lookup"
 
-    def __init__(self, length: int, temperature: float = 0.0, device="cpu"):
-        self.length, self.temperature, self.device = length, temperature, device
+    def __init__(self, length: int, device="cpu"):
+        self.length, self.device = length, device
         self.acceptance = AcceptanceByDepth()  # of its chains, in this sequence
 
     @staticmethod
     def for_sequence(seq) -> PromptLookup | None:
         """The sequence's prompt lookup (None: `cfg.lookup_length` is 0)."""
         cfg = seq.cfg
-        return PromptLookup(cfg.lookup_length, cfg.temperature, seq.device) if cfg.lookup_length else None
+        return PromptLookup(cfg.lookup_length, seq.device) if cfg.lookup_length else None
 
     def propose(self, context: DraftContext) -> Proposal:
         copied = lookup_drafts(context.text, self.length)
         if not copied:
             return Proposal.none(self.device)
-        return Proposal(self, copied_drafts(copied, context.vocab_size, self.temperature, self.device), self.acceptance)
+        return Proposal(self, copied_drafts(copied, self.device), self.acceptance)
 
     def observe(self, verdict: Verdict) -> None:
         drafted = verdict.proposal.drafts.tokens.numel()

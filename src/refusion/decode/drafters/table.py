@@ -22,16 +22,13 @@ class TableDrafter(Drafter):
     """Up to `length` tokens walked from the draft table, and (`runner_up`) a second chain from the runner-up
     follower of the run the walk starts from, for a sequence decoded alone.
 
-    The second chain is verified only greedily (at temperature > 0 one chain keeps the sampling rule simple), without
-    a grammar (which masks one chain), and alone: a batch's steps are its slowest sequence's, and at batch 4 on the
+    The second chain is verified without a grammar (which masks one chain), and alone: a batch's steps are its slowest sequence's, and at batch 4 on the
     held-out groups the second chain saved no forward (docs/archive/RESULTS-LEDGER.md: *Runner-up chains*)."""
 
     name = "table"
 
-    def __init__(self, table: DraftTable, length: int, temperature: float = 0.0, device="cpu",
-                 runner_up: bool = True):
-        self.table, self.length, self.temperature, self.device = table, length, temperature, device
-        self.runner_up = runner_up and temperature <= 0
+    def __init__(self, table: DraftTable, length: int, device="cpu", runner_up: bool = True):
+        self.table, self.length, self.device, self.runner_up = table, length, device, runner_up
         self.acceptance = AcceptanceByDepth()  # of its chains, in this sequence
         self.runner_up_acceptance = AcceptanceByDepth()  # of its second chains
 
@@ -41,7 +38,7 @@ class TableDrafter(Drafter):
         cfg = seq.cfg
         if not cfg.table_length or seq.draft_table is None:
             return None
-        return TableDrafter(seq.draft_table, cfg.table_length, cfg.temperature, seq.device,
+        return TableDrafter(seq.draft_table, cfg.table_length, seq.device,
                             runner_up=seq.grammar is None)
 
     def propose(self, context: DraftContext) -> Proposal:
@@ -51,7 +48,7 @@ class TableDrafter(Drafter):
         second = ()
         if self.runner_up and context.batch == 1:
             second = tuple(runner_up_drafts(context.text, self.table, min(self.length, context.room)))
-        return Proposal(self, copied_drafts(copied, context.vocab_size, self.temperature, self.device),
+        return Proposal(self, copied_drafts(copied, self.device),
                         self.acceptance, second, self.runner_up_acceptance)
 
     def observe(self, verdict: Verdict) -> None:

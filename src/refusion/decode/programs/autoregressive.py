@@ -1,11 +1,12 @@
-"""The autoregressive baseline: one token per forward on the same engine (greedy, or sampled at temperature > 0)."""
+"""The autoregressive baseline: one token per forward on the same engine (greedy, or sampled at temperature > 0 with
+each position's own noise, `sampling.PositionNoise`)."""
 
 from __future__ import annotations
 
 import torch
 
 from refusion.decode.outputs import RoundTrace, SlotEvent
-from refusion.decode.plan import next_token
+from refusion.decode.sampling import decided_tokens
 from refusion.decode.sequence import Forward, Program, Sequence, prefill
 
 
@@ -19,7 +20,7 @@ def autoregressive_program(seq: Sequence) -> Program:
     group = torch.zeros(1, dtype=torch.long, device=device)
     for i in range(cfg.max_new_tokens):
         allowed = logits[-1] if seq.grammar is None else seq.grammar.mask(logits[-1])  # structured output
-        token = next_token(allowed, cfg.temperature, seq.generator)
+        token = decided_tokens(allowed[None], cfg.temperature, seq.noise, prompt_length + i)  # [1]
         logprobs = seq.logprobs_of(logits[-1:], token)  # None unless cfg.logprobs
         position = positions[i:i + 1]
         token_ids = token.tolist()  # the one read back of a step

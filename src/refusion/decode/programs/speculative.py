@@ -21,7 +21,7 @@ from refusion.decode.costs import AcceptanceByDepth, chances
 from refusion.decode.drafters import DraftContext, Drafter, Proposal, Verdict, drafters_for, propose
 from refusion.decode.logprobs import TokenLogprobs
 from refusion.decode.outputs import RoundTrace, SlotEvent
-from refusion.decode.plan import next_token
+from refusion.decode.sampling import decided_tokens
 from refusion.decode.sequence import DraftOffer, Forward, Program, Sequence, masks, prefill, zeros
 from refusion.decode.speculate import Drafts, accept_drafts, copied_drafts
 
@@ -88,8 +88,9 @@ class DraftingLayout:
 def speculative_program(seq: Sequence) -> Program:
     """Drafts verified by the model's own AR predictions: the output is AR decoding's, token for token.
 
-    The drafts are accepted while they agree with the AR predictions (greedy), or by the speculative-sampling rule
-    (temperature > 0); the AR prediction after the last accepted draft is the next forward's first token, so every
+    The drafts are accepted while they equal the AR predictions: the argmax (greedy), or at temperature > 0 the
+    sample with each position's own noise (`sampling.PositionNoise`, the same draw AR decoding makes at that position
+    with the same seed); the AR prediction after the last accepted draft is the next forward's first token, so every
     forward commits at least one token. Each round verifies the first proposal of the sequence's drafters that has
     drafts (`drafters.propose`), as far as the step's decision takes it; every drafter then observes the verdict.
     """
@@ -107,11 +108,11 @@ def speculative_program(seq: Sequence) -> Program:
     seq.commit_prompt()
     first = layout.chain_logits(logits)[0]
     allowed = first if seq.grammar is None else seq.grammar.mask(first)  # structured output
-    token = next_token(allowed, cfg.temperature, seq.generator)  # the token at `position`
+    token = decided_tokens(allowed[None], cfg.temperature, seq.noise, prompt_length)  # [1] the token at `position`
     token_id = int(token)  # on the host: every later round's comes with its acceptance
     token_logprobs = seq.logprobs_of(layout.chain_logits(logits)[:1], token)  # None unless cfg.logprobs
-    vocab_size = logits.shape[-1]
-    observe(drafters, Verdict(Proposal(rider, Drafts.none(device)), 0, rows=layout.draft_logits(logits, 0)))
+    observe(drafters, Verdict(Proposal(rider, Drafts.none(device)), 0, rows=layout.draft_logits(logits, 0),
+                              rows_start=prompt_length + 1))
     position, phases = prompt_length, {"prefill": 1}  # the first round also accounts for the prefill
     text = seq.prompt.tolist()  # prompt and committed response: what the drafters read
     while True:
@@ -128,7 +129,7 @@ def speculative_program(seq: Sequence) -> Program:
         if seq.grammar is not None:
             seq.grammar.consume([token_id])
         room = end - 1 - position
-        context = DraftContext(text + [token_id], room, seq.cache.batch_size, vocab_size)
+        context = DraftContext(text + [token_id], room, seq.cache.batch_size)
         proposal = verifiable(seq, propose(drafters, context, position, device), room)
         riding = proposal.drafter.rows(position, proposal.drafts.tokens.numel()) if proposal.drafter else []
         if seq.forward_costs is not None and (proposal.drafted or proposal.second or riding):
@@ -147,21 +148,22 @@ def speculative_program(seq: Sequence) -> Program:
         verifying = ar_rows
         if seq.grammar is not None:  # each row masked by the grammar state after the chain tokens before it
             verifying = seq.grammar.mask_chain(verifying, list(drafts.ids))
-        accepted, following, following_id = accept_drafts(drafts, verifying, cfg.temperature, seq.generator)
+        accepted, following, following_id = accept_drafts(drafts, verifying, cfg.temperature, seq.noise, position + 1)
         # the accepted drafts, and the AR rows that predict each of them and the following token (row i of the
         # chain predicts its token i + 1; unmasked by a grammar: the logprobs are the model's)
         path, path_ids, rows = drafts.tokens[:accepted], list(drafts.ids[:accepted]), ar_rows[: accepted + 1]
         groups, on_second = 0, 0  # pre-drafts may share positions
         if second and accepted == 0 and following_id == second[0]:  # AR's token is the runner-up: it goes on
             second_rows = layout.second_logits(logits)
-            more, following, following_id = accept_drafts(copied_drafts(second[1:], vocab_size, 0.0, device),
-                                                          second_rows, 0.0, seq.generator)
+            more, following, following_id = accept_drafts(copied_drafts(second[1:], device), second_rows,
+                                                          cfg.temperature, seq.noise, position + 2)
             on_second = 1 + more
             path, path_ids = second_tokens[:on_second], second[:on_second]
             rows = torch.cat([ar_rows[:1], second_rows[:on_second]])
             groups = torch.tensor([0] + [1] * on_second, device=device)
         longest = max(accepted, on_second)
-        observe(drafters, Verdict(proposal, accepted, on_second, layout.draft_logits(logits, longest)))
+        observe(drafters, Verdict(proposal, accepted, on_second, layout.draft_logits(logits, longest),
+                                  rows_start=position + longest + 2))
 
         # 4. commit: the next token and the accepted path, cut after the first EOS
         if seq.grammar is not None:
