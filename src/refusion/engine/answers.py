@@ -98,6 +98,15 @@ def open_engine(args, command: str) -> tuple[Engine, float] | None:
         return None
 
 
+def load_model(engine: Engine, spec: dict, keep_alive: float, strategy: str, command: str) -> dict:
+    """The engine's card of the model of `spec`, loading it (with one line saying so) when it is not resident."""
+    status = engine.status() or {}
+    if not any(model.get("spec") == spec for model in status.get("models", [])):
+        _notice(f"refusion {command}: loading the model into the engine (a first load also builds its cache and "
+                "native layers: a minute or two)")
+    return engine.load(spec, keep_alive, strategy)
+
+
 def generate(args, prompts: list[str], cfg: DecodeConfig, streamed: bool) -> int:
     """`refusion generate PROMPT...` through the engine. Returns how many prompts were answered: all of them, or
     fewer when the engine went away (the caller answers the rest in-process)."""
@@ -110,7 +119,7 @@ def generate(args, prompts: list[str], cfg: DecodeConfig, streamed: bool) -> int
     engine, keep_alive = opened
     spec = load_spec(args)
     try:
-        card = engine.load(spec, keep_alive, cfg.strategy)
+        card = load_model(engine, spec, keep_alive, cfg.strategy, "generate")
     except EngineRefused as e:
         raise ValueError(str(e)) from None  # the model itself cannot be loaded: the same error in-process
     except EngineUnavailable as e:
@@ -253,7 +262,7 @@ def chat(args, cfg: DecodeConfig, in_process: Callable[[], object]) -> EngineCha
     engine, keep_alive = opened
     spec = load_spec(args)
     try:
-        card = engine.load(spec, keep_alive, cfg.strategy)
+        card = load_model(engine, spec, keep_alive, cfg.strategy, "chat")
     except EngineRefused as e:
         raise ValueError(str(e)) from None
     except EngineUnavailable as e:

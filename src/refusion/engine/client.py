@@ -240,6 +240,9 @@ def connect(keep_alive: float, directory: Path | None = None,
             engine.wait_gone(pid=status.get("pid"))
         with contextlib.suppress(FileNotFoundError):
             engine.socket.unlink()  # stale: nobody answers on it
+        if notice:
+            notice(f"refusion: starting the resident engine, which keeps the model loaded for {keep_alive:g} s after "
+                   f"each answer (--keep-alive; `refusion stop` ends it; log: {directory / LOG})")
         process = spawn(directory, keep_alive)
         wait_up(engine, process, mine)
     return engine
