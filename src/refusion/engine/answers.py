@@ -235,20 +235,14 @@ class EngineChat:
         self.write(piece)
 
     def stats_line(self) -> str:
-        from refusion.decode.cli import stats_line
+        from refusion.chat import Chat
 
-        if self.local is not None:
-            return self.local.stats_line()
-        if self.last is None:
-            return "(no answer yet)"
-        if self.last.stats is None:
-            return "(the last answer was stopped: no statistics)"
-        return stats_line(self.cfg, self.last.stats)
+        return self.local.stats_line() if self.local is not None else Chat.stats_line(self)  # reads last and cfg
 
     def save(self, path: str) -> str:
         from refusion.chat import Chat
 
-        return Chat.save(self, path)
+        return Chat.save(self, path)  # reads the conversation
 
 
 def chat(args, cfg: DecodeConfig, in_process: Callable[[], object]) -> EngineChat | None:
