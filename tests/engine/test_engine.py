@@ -195,3 +195,19 @@ def test_another_users_connection_is_refused(tmp_path):
         process.terminate()
         _, err = process.communicate(timeout=30)
     assert "refused a connection from another user" in err
+
+
+def test_chat_through_the_engine_answers_as_in_process(commands: Commands, tiny_model_dir):
+    """Two turns and /stats: the same answers and stats counts; the engine keeps the model between turns."""
+    flags = ["chat", "--model", tiny_model_dir, "--max-new-tokens", "12", "--dtype", "float32"]
+    lines = "what is 2+2?\nand 3+3?\n/stats\n"
+
+    def session(*extra: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "refusion", *flags, *extra], input=lines, capture_output=True,
+                              text=True, env=commands.env(), timeout=600)
+        assert done.returncode == 0, done.stderr
+        return done.stdout + "\n".join(line for line in done.stderr.splitlines() if line.startswith("["))
+
+    local, through = session("--keep-alive", "0"), session()
+    assert answer_and_counts(through) == answer_and_counts(local)
+    assert len(answer_and_counts(local)[1]) == 1 and commands.engines()
