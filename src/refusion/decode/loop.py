@@ -20,7 +20,7 @@ from refusion.decode.costs import draft_counts, forward_costs_of
 from refusion.decode.forward import CachedForward, padded_inputs
 from refusion.decode.grammar import ResponseGrammar, check_strategy
 from refusion.decode.outputs import BatchStats, GenerationOutput, GenerationStats, RoundTrace
-from refusion.decode.prefix_cache import PrefixCache, inexact_reason, namespace_of, narrowed
+from refusion.decode.prefix_cache import PrefixCache, inexact_reason, model_dtype, namespace_of, narrowed
 from refusion.decode.programs import start_program
 from refusion.decode.sampling import PositionNoise
 from refusion.decode.sequence import DraftOffer, Forward, Program, Sequence
@@ -61,7 +61,8 @@ class Decoder:
         if prefix_cache is not None and (reason := inexact_reason(model, self.setup)) is not None:
             raise ValueError(f"prefix caching is off for this model: {reason}")
         self.prefix_cache = prefix_cache
-        self._namespace = namespace_of(model, self.cache.kv_dtype)  # the prefix cache's root for this model
+        self._namespace = namespace_of(model, self.cache.kv_dtype) if prefix_cache is not None else None
+        """The prefix cache's root for this model."""
         self.live: dict[int, Running] = {}
         self.stats = BatchStats()
         self._next_id = 0
@@ -116,8 +117,8 @@ class Decoder:
             start, stop = self.prefix_cache.unstored(self._namespace, prompt)
             if start < stop:
                 keys, values = self.cache.context_entries(seq_id, start, stop)
-                self.prefix_cache.store(self._namespace, prompt, start, narrowed(keys, self.model.dtype),
-                                        narrowed(values, self.model.dtype))
+                dtype = model_dtype(self.model)
+                self.prefix_cache.store(self._namespace, prompt, start, narrowed(keys, dtype), narrowed(values, dtype))
 
     def _forward_costs(self, cfg: DecodeConfig):
         """What prices a sequence's drafts (`decode.costs.forward_costs_of`: recorded once per machine and model);

@@ -36,7 +36,13 @@ Namespace = tuple
 def namespace_of(model, kv_dtype: torch.dtype | None) -> Namespace:
     """The namespace of `model`'s prefixes: entries computed by another model or in another dtype never match (a
     model that is gone matches nothing: its weak reference is dead)."""
-    return weakref.ref(model), str(model.dtype), str(kv_dtype)
+    return weakref.ref(model), str(model_dtype(model)), str(kv_dtype)
+
+
+def model_dtype(model) -> torch.dtype | None:
+    """The model's parameters' dtype (a wrapper module without `.dtype` included)."""
+    parameter = next(model.parameters(), None)
+    return parameter.dtype if parameter is not None else getattr(model, "dtype", None)
 
 
 def inexact_reason(model, setup) -> str | None:
@@ -47,9 +53,9 @@ def inexact_reason(model, setup) -> str | None:
     differently by width often enough to flip near-ties."""
     if setup.compiled is not None:
         return "compiled forwards pad each width to a bucket whose kernels round their own way"
-    if setup.row_exact or model.dtype in (torch.float32, torch.float64):
+    if setup.row_exact or model_dtype(model) in (torch.float32, torch.float64):
         return None
-    return (f"{str(model.dtype).removeprefix('torch.')} forwards without row-exact kernels round a split prefill "
+    return (f"{str(model_dtype(model)).removeprefix('torch.')} forwards without row-exact kernels round a split prefill "
             "differently (a near-tie could flip a token)")
 
 
