@@ -87,7 +87,8 @@ LAYERS = (
     ("train", ("refusion.train",)),
     ("eval", ("refusion.eval",)),
     ("serve", ("refusion.serve",)),
-    ("commands", ("refusion.cli", "refusion.__main__", "refusion.arguments", "refusion.chat", "*.cli")),
+    ("commands", ("refusion.cli", "refusion.__main__", "refusion.arguments", "refusion.chat", "refusion.engine",
+                  "*.cli")),
 )
 """The package's layers, lowest first: a module may import its own layer and the layers below it, never one above
 (function-level imports count). A module belongs to the last layer one of whose prefixes it matches ("*.cli": every

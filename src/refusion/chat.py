@@ -28,7 +28,16 @@ from refusion.arguments import (
     is_text,
     load_from_args,
 )
-from refusion.engine.answers import add_keep_alive_argument
+from refusion.engine.answers import (
+    add_keep_alive_argument,
+    answer,
+    engine_settings,
+    load_model,
+    notice,
+    open_engine,
+    write_stdout,
+)
+from refusion.engine.client import EngineRefused, EngineUnavailable, load_spec
 
 if TYPE_CHECKING:
     from refusion.decode.outputs import SequenceStats
@@ -258,8 +267,6 @@ def enable_line_editing() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from refusion.engine import answers
-
     cfg = decode_config_from_args(args)  # validated before the model loads
     check_text(args.system, "--system")
 
@@ -267,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
         model, tokenizer = load_from_args(args)
         return Chat(model, tokenizer, cfg, system=args.system)
 
-    chat = answers.chat(args, cfg, in_process) or in_process()
+    chat = engine_chat(args, cfg, in_process) or in_process()
     interactive = sys.stdin.isatty()
     if interactive:
         enable_line_editing()
@@ -283,3 +290,106 @@ def _write_stdout(text: str) -> None:
 
 def _notice_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------ through the resident engine
+class EngineChat:
+    """`refusion chat` through the engine: the conversation is kept here and sent whole each turn (the engine's
+    template renders it); a conversation that outgrows the context loses its oldest turns, as in-process. If the
+    engine goes away, one line says so and the conversation goes on in this process (`in_process()`)."""
+
+    def __init__(self, engine, spec: dict, keep_alive: float, cfg, *, system: str | None,
+                 in_process: Callable[[], object], write=None, notice=None):
+        self.engine, self.spec, self.keep_alive, self.cfg = engine, spec, keep_alive, cfg
+        self.cfg_body = engine_settings(cfg)
+        self.conversation = Conversation(system)
+        self.write, self.notice = write or write_stdout, notice or notice
+        self.last = None
+        self._in_process, self.local = in_process, None
+        self._shown = ""  # the text of the answer being written
+
+    def ask(self, question: str):
+        """Answer `question` after the conversation so far (as `chat.Chat.ask`)."""
+        if self.local is not None:
+            return self.local.ask(question)
+        turns = self.conversation.turns
+        turns.append({"role": "user", "content": question})
+        try:
+            answer = self._answer()
+        except EngineRefused as e:
+            self.notice(f"(error: {e})")
+            answer = None
+        except EngineUnavailable as e:
+            turns.pop()
+            self.notice(f"(the engine went away: {e}; answering in this process)")
+            self.local = self._in_process()
+            self.local.conversation, self.local.last = self.conversation, self.last
+            return self.local.ask(question)
+        if answer is None:
+            turns.pop()
+            return None
+        turns.append({"role": "assistant", "content": answer.text})
+        self.last = answer
+        return answer
+
+    def _answer(self):
+        from refusion.serve.translate import CONTEXT_LENGTH_EXCEEDED
+
+        dropped = 0
+        while True:
+            body = {"model": "refusion", "stream": True, **self.cfg_body, "messages": self.conversation.messages}
+            self._shown = ""
+            try:
+                result = answer(self.engine, "/v1/chat/completions", body, self.spec, self.keep_alive,
+                                write=self._show)
+            except EngineRefused as e:
+                if e.code != CONTEXT_LENGTH_EXCEEDED:
+                    raise
+                if not self.conversation.drop_oldest_turn():
+                    self.notice(f"(this message does not fit the model's context: {e})")
+                    return None
+                dropped += 1
+                continue
+            except KeyboardInterrupt:
+                text = self._shown
+                self.write("\n" if text else "")
+                self.notice("(stopped)")
+                return Answer([], text, None, stopped=True) if text else None
+            break
+        if dropped:
+            self.notice(f"(the conversation outgrew the model's context: dropped its oldest "
+                        f"{'turn' if dropped == 1 else f'{dropped} turns'})")
+        self.write("\n")
+        return Answer([], result.text, result.stats)
+
+    def _show(self, piece: str) -> None:
+        self._shown += piece
+        self.write(piece)
+
+    def stats_line(self) -> str:
+        return self.local.stats_line() if self.local is not None else Chat.stats_line(self)  # reads last and cfg
+
+    def save(self, path: str) -> str:
+        return Chat.save(self, path)  # reads the conversation
+
+
+def engine_chat(args, cfg, in_process: Callable[[], object]) -> EngineChat | None:
+    """The engine's side of `refusion chat`, or None (in-process: --keep-alive 0, settings only this process
+    honours, or no engine to be had: one line says why)."""
+    if engine_settings(cfg) is None:
+        return None
+    opened = open_engine(args, "chat")
+    if opened is None:
+        return None
+    engine, keep_alive = opened
+    spec = load_spec(args)
+    try:
+        card = load_model(engine, spec, keep_alive, cfg.strategy, "chat")
+    except EngineRefused as e:
+        raise ValueError(str(e)) from None
+    except EngineUnavailable as e:
+        notice(f"refusion chat: {e}; decoding in this process")
+        return None
+    if not card["chat_template"]:
+        raise ValueError("this model's tokenizer has no chat template: use `refusion generate --no-chat`")
+    return EngineChat(engine, spec, keep_alive, cfg, system=args.system, in_process=in_process)

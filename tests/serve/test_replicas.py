@@ -70,6 +70,7 @@ def ray_cluster():
         assert {"raylet", "gcs_server"} <= set(names(started))  # what is checked below is Ray's
         ray.shutdown()
         _, alive = psutil.wait_procs(started, timeout=30)
+        alive = [p for p in alive if _running(p)]  # an exited child not yet reaped (a zombie) is gone
         left = names(alive)
         for p in alive:
             p.kill()
@@ -228,3 +229,10 @@ def test_run_refuses_more_replicas_than_the_cluster_holds_in_one_line(app_parts)
                                          r"has 4: lower --replicas or --replica-cpus$"):
         module.run(spec, CONFIG, settings, MODEL)
     assert ray.is_initialized()  # run leaves a Ray it did not start running
+
+
+def _running(process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

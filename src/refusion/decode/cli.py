@@ -87,9 +87,7 @@ def run(args: argparse.Namespace) -> int:
     schema = read_json_schema(args.json_schema) if args.json_schema else None
     cfg = decode_config_from_args(args)  # validated before the model loads
     if through_engine(args):
-        from refusion.engine import answers
-
-        prompts = prompts[answers.generate(args, prompts, cfg, streams_answers(args)):]
+        prompts = prompts[generate_through_engine(args, prompts, cfg, streams_answers(args)):]
         if not prompts:
             return 0
     from refusion.decode.loop import generate
@@ -144,6 +142,57 @@ def run(args: argparse.Namespace) -> int:
         if args.stats:
             print(stats_line(cfg, stats))
     return 0
+
+
+def generate_through_engine(args, prompts: list[str], cfg, streamed: bool) -> int:
+    """`refusion generate PROMPT...` through the engine. Returns how many prompts were answered: all of them, or
+    fewer when the engine went away (the caller answers the rest in-process)."""
+    from refusion.engine.answers import (
+        answer,
+        engine_settings,
+        load_model,
+        notice,
+        open_engine,
+        request,
+        write_stdout,
+    )
+    from refusion.engine.client import EngineDied, EngineRefused, EngineUnavailable, load_spec
+
+    cfg_body = engine_settings(cfg)
+    opened = open_engine(args, "generate") if cfg_body is not None else None
+    if opened is None:
+        return 0
+    engine, keep_alive = opened
+    spec = load_spec(args)
+    try:
+        card = load_model(engine, spec, keep_alive, cfg.strategy, "generate")
+    except EngineRefused as e:
+        raise ValueError(str(e)) from None  # the model itself cannot be loaded: the same error in-process
+    except EngineUnavailable as e:
+        notice(f"refusion generate: {e}; decoding in this process")
+        return 0
+    if args.stats:
+        print(f"[{card['setup']}]", flush=True)
+    chat = not args.no_chat and card["chat_template"]
+    for i, prompt in enumerate(prompts):
+        if len(prompts) > 1:
+            write_stdout(answer_header(i, prompt) + "\n")
+        path, body = request(prompt, cfg_body, chat=chat, system=args.system)
+        try:
+            result = answer(engine, path, body, spec, keep_alive, write=write_stdout if streamed else None)
+        except EngineDied as e:
+            write_stdout("\n" if streamed else "")
+            notice(f"refusion generate: {e}; answering again in this process")
+            return i
+        except EngineRefused as e:
+            raise ValueError(str(e)) from None  # the engine refused the request: the same error in-process
+        except EngineUnavailable as e:
+            notice(f"refusion generate: {e}; answering again in this process")
+            return i
+        write_stdout("\n" if streamed else result.text + "\n")
+        if args.stats and result.stats is not None:
+            write_stdout(stats_line(cfg, result.stats) + "\n")
+    return len(prompts)
 
 
 def through_engine(args: argparse.Namespace) -> bool:
