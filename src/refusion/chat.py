@@ -35,7 +35,6 @@ from refusion.engine.answers import (
     load_model,
     notice,
     open_engine,
-    write_stdout,
 )
 from refusion.engine.client import EngineRefused, EngineUnavailable, load_spec
 
@@ -303,7 +302,7 @@ class EngineChat:
         self.engine, self.spec, self.keep_alive, self.cfg = engine, spec, keep_alive, cfg
         self.cfg_body = engine_settings(cfg)
         self.conversation = Conversation(system)
-        self.write, self.notice = write or write_stdout, notice or notice
+        self.write, self.notice = write or _write_stdout, notice or _notice_stderr
         self.last = None
         self._in_process, self.local = in_process, None
         self._shown = ""  # the text of the answer being written
