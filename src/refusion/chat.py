@@ -28,6 +28,7 @@ from refusion.arguments import (
     is_text,
     load_from_args,
 )
+from refusion.config import CONTEXT_LENGTH_EXCEEDED
 from refusion.engine.answers import (
     add_keep_alive_argument,
     answer,
@@ -131,12 +132,7 @@ class Chat:
             self.notice(f"(error: {e})")
         except KeyboardInterrupt:  # Ctrl-C before decoding began
             self.notice("(stopped)")
-        if answer is None:
-            turns.pop()
-            return None
-        turns.append({"role": "assistant", "content": answer.text})
-        self.last = answer
-        return answer
+        return end_turn(self, answer)
 
     def answer(self, prompt: list[int]) -> Answer | None:
         """Decode `prompt`, writing the answer as it is committed, then a newline. Ctrl-C ends the answer with the
@@ -178,8 +174,7 @@ class Chat:
                 break  # not reached: the newest question alone fits
             dropped += 1
         if dropped:
-            self.notice(f"(the conversation outgrew the model's context: dropped its oldest "
-                        f"{'turn' if dropped == 1 else f'{dropped} turns'})")
+            self.notice(dropped_notice(dropped))
         return prompt
 
     def too_long(self, prompt: list[int]) -> str | None:
@@ -210,6 +205,23 @@ class Chat:
         except OSError as e:
             return f"(cannot write {path}: {e.strerror or e})"
         return f"(saved {len(self.conversation.messages)} messages to {path})"
+
+
+def end_turn(chat, answer: Answer | None) -> Answer | None:
+    """Close the turn a question opened: the answer joins the conversation (and is the last one), or, when there is
+    none, the question is forgotten."""
+    if answer is None:
+        chat.conversation.turns.pop()
+        return None
+    chat.conversation.turns.append({"role": "assistant", "content": answer.text})
+    chat.last = answer
+    return answer
+
+
+def dropped_notice(dropped: int) -> str:
+    """The line that says how many of the oldest turns were dropped to fit the context."""
+    return (f"(the conversation outgrew the model's context: dropped its oldest "
+            f"{'turn' if dropped == 1 else f'{dropped} turns'})")
 
 
 def handle_command(chat: Chat, line: str) -> bool:
@@ -324,16 +336,9 @@ class EngineChat:
             self.local = self._in_process()
             self.local.conversation, self.local.last = self.conversation, self.last
             return self.local.ask(question)
-        if answer is None:
-            turns.pop()
-            return None
-        turns.append({"role": "assistant", "content": answer.text})
-        self.last = answer
-        return answer
+        return end_turn(self, answer)
 
     def _answer(self):
-        from refusion.serve.translate import CONTEXT_LENGTH_EXCEEDED
-
         dropped = 0
         while True:
             body = {"model": "refusion", "stream": True, **self.cfg_body, "messages": self.conversation.messages}
@@ -356,8 +361,7 @@ class EngineChat:
                 return Answer([], text, None, stopped=True) if text else None
             break
         if dropped:
-            self.notice(f"(the conversation outgrew the model's context: dropped its oldest "
-                        f"{'turn' if dropped == 1 else f'{dropped} turns'})")
+            self.notice(dropped_notice(dropped))
         self.write("\n")
         return Answer([], result.text, result.stats)
 

@@ -21,6 +21,9 @@ KV_CACHE_MODES = ("reuse", "recompute")
 MODEL_FIELDS = ("mask_token_id", "eos_token_id")
 """DecodeConfig fields that describe the model rather than one request: the CLI and Python set them, the server
 takes them from the model it serves."""
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+"""Error code of a prompt that, with the tokens asked for, does not fit the model's context (OpenAI's code): the
+server answers it, the engine's chat client reads it."""
 OPENAI_NAMES = {"max_new_tokens": "max_tokens", "temperature": "temperature", "seed": "seed", "logprobs": "logprobs"}
 """DecodeConfig fields that a server request sets through the standard OpenAI field of this name (the others go in
 its `"refusion"` extension object)."""

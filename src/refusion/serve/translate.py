@@ -12,6 +12,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from refusion.config import (
+    CONTEXT_LENGTH_EXCEEDED,
     OPENAI_NAMES,
     STRATEGIES,
     ConfigError,
@@ -34,8 +35,6 @@ MAX_SCHEMA_BYTES = 128 << 10
 """Largest response_format compiled, as JSON (OpenAI's structured outputs allow 120,000 characters of names and
 values). Each sequence builds its grammar's matcher when it joins the batch, in the scheduler thread, in a time that
 grows with the schema (~0.3 s at 300 kB on the 2-core development machine): the bound keeps that pause short."""
-CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
-"""Error code of a prompt that, with the tokens asked for, does not fit the model's context (OpenAI's code)."""
 GRAMMAR_COMPILE_SECONDS = 10.0
 """A response_format that takes longer to compile is refused (llguidance's own limits normally end it sooner)."""
 
