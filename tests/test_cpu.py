@@ -103,3 +103,12 @@ def test_the_thread_count_honours_the_quota_as_well_as_the_affinity(tmp_path, mo
         assert cpu.choose_cpu_threads() == 3 == torch.get_num_threads()
     finally:
         torch.set_num_threads(saved)
+
+
+def test_a_passing_thread_runs_elsewhere_and_hands_back_its_result_or_its_error():
+    import threading
+
+    ran_on = cpu.passing_thread(lambda x, y=0: (threading.current_thread().name, x + y), 2, y=3).result(10)
+    assert ran_on == ("refusion-passing", 5)
+    with pytest.raises(KeyError, match="missing"):
+        cpu.passing_thread(lambda: {}["missing"]).result(10)

@@ -12,6 +12,14 @@ neither restricts it). An `OMP_NUM_THREADS` the user set is left alone; a count 
 Every entry point that loads a model calls `choose_cpu_threads` first, before torch loads anything or the
 calibration record is looked up (its entries are keyed by the thread count).
 
+One thread computes, the others' torch work passes: torch's OpenMP runtime (libgomp) keeps a pool of worker threads
+for every thread that ever ran a parallel region, and once a process holds more of them than it has cores, every
+worker sleeps after about 100 spins instead of about 300,000 between two regions. A forward of a small model is
+hundreds of short regions, each of which then pays a futex wake-up: a server whose model loaded on its main thread
+and which decoded on its scheduler thread ran 1.6-1.9x slower than the same decode in a one-thread process
+(docs/SERVING.md, *One computing thread*). So a process that decodes on one long-lived thread does its other torch
+work (loading, warming, calibrating) in `passing_thread`s, whose pools end with them.
+
 On a machine shared with CPU-bound work, give the cores left free yourself (`OMP_NUM_THREADS`, or the server's
 `--threads`): torch's OpenMP threads spin while they wait for each other, and one without a core slows every
 parallel region several times over (docs/archive/RESULTS-LEDGER.md: *Busy machine*).
@@ -19,9 +27,12 @@ parallel region several times over (docs/archive/RESULTS-LEDGER.md: *Busy machin
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import os
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -50,6 +61,24 @@ def choose_cpu_threads(requested: int | None = None) -> int:
     if threads is not None and torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return torch.get_num_threads()
+
+
+def passing_thread(fn: Callable, *args, name: str = "refusion-passing", **kwargs) -> concurrent.futures.Future:
+    """Run `fn(*args, **kwargs)` on a new thread that ends as it returns (and with it the OpenMP workers it started:
+    see the module docstring); the future holds its result or its exception. Wait with `.result()`, or
+    `await asyncio.wrap_future(...)` in an event loop."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as e:  # handed to the waiting caller, which raises it
+            future.set_exception(e)
+        else:
+            future.set_result(result)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
 
 
 def default_threads() -> int | None:

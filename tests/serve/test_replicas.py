@@ -14,8 +14,8 @@ import signal
 import socket
 import sys
 import threading
-import warnings
 import time
+import warnings
 from pathlib import Path
 
 import httpx

@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from refusion.config import DecodeConfig
 from refusion.serve.scheduler import Event, Job, Scheduler
 
@@ -60,3 +62,46 @@ def test_a_wedged_step_with_work_is_stalled_and_an_idle_or_paused_scheduler_is_n
         wait_for(lambda: not scheduler.busy, timeout=30)
     finally:
         scheduler.stop()
+
+
+def test_the_scheduler_thread_builds_its_decoder_and_runs_every_step(tiny, monkeypatch):
+    """One thread computes (`refusion.cpu`): the decoder's cache is made on the scheduler thread, which steps it."""
+    import threading
+
+    from refusion.decode import loop
+
+    model, tokenizer = tiny
+    threads: set[str] = set()
+    build, step = loop.Decoder.__init__, loop.Decoder.step
+
+    def recorded(method):
+        def run(self, *args, **kwargs):
+            threads.add(threading.current_thread().name)
+            return method(self, *args, **kwargs)
+        return run
+
+    monkeypatch.setattr(loop.Decoder, "__init__", recorded(build))
+    monkeypatch.setattr(loop.Decoder, "step", recorded(step))
+    scheduler = Scheduler(model, tokenizer, max_batch_size=2, max_queue=2)
+    scheduler.start()
+    try:
+        events: list[Event] = []
+        scheduler.submit([job(tokenizer, events)])
+        wait_for(lambda: events and events[-1].final, timeout=30)
+        assert events[-1].error is None
+    finally:
+        scheduler.stop()
+    assert threads == {"refusion-scheduler"}
+
+
+def test_a_decoder_that_cannot_be_built_fails_start(tiny, monkeypatch):
+    from refusion.decode import loop
+
+    def refuse(self, *args, **kwargs):
+        raise ValueError("prefix caching is off for this model: a reason")
+
+    monkeypatch.setattr(loop.Decoder, "__init__", refuse)
+    scheduler = Scheduler(*tiny, max_batch_size=2, max_queue=2)
+    with pytest.raises(ValueError, match="prefix caching is off"):
+        scheduler.start()
+    assert not scheduler.running

@@ -33,7 +33,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from refusion.cpu import choose_cpu_threads
+from refusion.cpu import choose_cpu_threads, passing_thread
 from refusion.engine.client import KEEP_ALIVE_HEADER, LOAD_HEADER
 from refusion.engine.place import SOCKET, identity
 
@@ -86,7 +86,7 @@ def spec_key(spec: dict) -> str:
 
 
 def load_resident(spec: dict) -> Resident:
-    """(worker thread) Load the model of `spec` and start its app's scheduler, with the decoding defaults a command
+    """(a passing thread: `refusion.cpu`) Load the model of `spec` and start its app's scheduler, with the decoding defaults a command
     uses for it: the embedded model's preset when no model is named (`arguments.decode_config_from_args`)."""
     from refusion.arguments import check_device
     from refusion.config import DecodeConfig
@@ -127,7 +127,7 @@ class Engine:
                 self.loading = True
                 try:
                     log.info("loading %s", key)
-                    self.models[key] = await asyncio.to_thread(load_resident, spec)
+                    self.models[key] = await asyncio.wrap_future(passing_thread(load_resident, spec))
                 finally:
                     self.loading = False
             resident = self.models[key]

@@ -14,7 +14,7 @@ from refusion.arguments import (
     decode_config_from_args,
     load_from_args,
 )
-from refusion.cpu import choose_cpu_threads
+from refusion.cpu import choose_cpu_threads, passing_thread
 from refusion.serve.settings import LOG_LEVELS, ServeConfig, api_key_from
 
 
@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
 
         spec = replicas.LoadSpec(args.model, args.dtype, args.device, args.linear, args.attention, args.compile)
         return replicas.run(spec, cfg, settings, settings.served_model_name or served_name(args.model))
-    model, tokenizer = load_from_args(args)
+    # loaded (warmed, calibrated) on a thread that ends: the scheduler thread is then the one that computes
+    model, tokenizer = passing_thread(load_from_args, args).result()
     app = create_app(model, tokenizer, config=cfg, model_name=settings.served_model_name or served_name(args.model),
                      max_batch_size=settings.max_batch_size, max_queue=settings.max_queue, api_key=settings.api_key,
                      cors_origins=settings.cors_origin, request_timeout=settings.request_timeout,

@@ -72,11 +72,11 @@ class EngineReplica:
 
     def __init__(self, spec: LoadSpec, decode: DecodeConfig, settings: ServeConfig, model_name: str,
                  threads: int, hub=None):
-        from refusion.cpu import choose_cpu_threads
+        from refusion.cpu import choose_cpu_threads, passing_thread
 
         self.spec, self.decode, self.settings, self.model_name, self.hub = spec, decode, settings, model_name, hub
         choose_cpu_threads(threads)  # the cores this replica reserved, before its model loads
-        self.model, self.tokenizer = spec.load()
+        self.model, self.tokenizer = passing_thread(spec.load).result()  # the scheduler thread alone computes
         self.refusion_app = None
         self.stopping = threading.Event()
         self.pusher: threading.Thread | None = None

@@ -24,6 +24,7 @@ a busy one.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -181,11 +182,14 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------- handler side
     def start(self) -> None:
-        from refusion.decode.loop import Decoder
-        self.decoder = Decoder(self.model, capacity=self.decoder_capacity, prefix_cache=self.prefix_cache)
+        """Start the scheduler thread; it builds the decoder (its cache) and runs every forward, so that this process
+        computes on one long-lived thread (`refusion.cpu`: other threads' OpenMP workers slow it). Raises what
+        building the decoder raised."""
         self.model.eval()
-        self._thread = threading.Thread(target=self._run, name="refusion-scheduler", daemon=True)
+        built: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(built,), name="refusion-scheduler", daemon=True)
         self._thread.start()
+        built.result()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the loop; jobs still waiting or live get an error event."""
@@ -295,7 +299,17 @@ class Scheduler:
                 "max_batch_size": self.max_batch_size, "max_queue": self.max_queue, **self.counters}
 
     # ----------------------------------------------------------------------------- scheduler thread
-    def _run(self) -> None:
+    def _new_decoder(self):
+        from refusion.decode.loop import Decoder
+        return Decoder(self.model, capacity=self.decoder_capacity, prefix_cache=self.prefix_cache)
+
+    def _run(self, built: concurrent.futures.Future) -> None:
+        try:
+            self.decoder = self._new_decoder()
+        except BaseException as e:
+            built.set_exception(e)
+            return
+        built.set_result(None)
         try:
             while True:
                 try:
@@ -469,7 +483,6 @@ class Scheduler:
 
     def _fail_all(self, message: str) -> None:
         """After a failed step: fail every live job and start over with a fresh decoder."""
-        from refusion.decode.loop import Decoder
         for job in list(self.live):
             self._fail(job, message)
-        self.decoder = Decoder(self.model, capacity=self.decoder_capacity, prefix_cache=self.prefix_cache)
+        self.decoder = self._new_decoder()
