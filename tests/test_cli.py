@@ -33,3 +33,25 @@ def test_a_missing_core_module_is_not_hidden(monkeypatch):
     monkeypatch.setattr("refusion.serve.cli.run", broken)
     with pytest.raises(ModuleNotFoundError):
         cli.main(["serve"])
+
+
+def test_each_subcommand_is_named_by_the_module_that_adds_it():
+    from refusion.cli import SUBCOMMANDS, build_parser
+
+    every = build_parser()._subparsers._group_actions[0].choices
+    assert list(every) == [name for names in SUBCOMMANDS.values() for name in names]
+    for names in SUBCOMMANDS.values():
+        for name in names:
+            built = build_parser(name)._subparsers._group_actions[0].choices
+            assert list(built) == list(names)  # that module's subcommands only
+            assert built[name].format_help() == every[name].format_help()
+
+
+def test_a_command_line_imports_the_parsers_of_its_own_command_only():
+    import subprocess
+    import sys
+
+    code = ("import sys; from refusion.cli import main; main(['ps']); "
+            "print(sorted(m for m in sys.modules if m.endswith('.cli') or m == 'refusion.chat'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.splitlines()[-1] == "['refusion.cli', 'refusion.engine.cli']"

@@ -27,13 +27,15 @@ parallel region several times over (docs/archive/RESULTS-LEDGER.md: *Busy machin
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
 import os
 import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import concurrent.futures
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 """Where the cgroup file systems are mounted (v2: one hierarchy; v1: a folder per controller)."""
@@ -67,6 +69,9 @@ def passing_thread(fn: Callable, *args, name: str = "refusion-passing", **kwargs
     """Run `fn(*args, **kwargs)` on a new thread that ends as it returns (and with it the OpenMP workers it started:
     see the module docstring); the future holds its result or its exception. Wait with `.result()`, or
     `await asyncio.wrap_future(...)` in an event loop."""
+    import concurrent.futures  # here: the engine's light client imports this module
+    import threading
+
     future: concurrent.futures.Future = concurrent.futures.Future()
 
     def run() -> None:

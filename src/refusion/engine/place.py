@@ -88,7 +88,8 @@ def identity() -> dict:
 
     env = {k: v for k, v in sorted(os.environ.items())
            if k.startswith(IDENTITY_PREFIXES) and k not in IDENTITY_IGNORED}
-    return {"version": __version__, "source": source_digest(), "python": sys.executable, "env": env}
+    python = [sys.prefix, os.path.realpath(sys.executable)]  # `python` and `python3` of one environment are one
+    return {"version": __version__, "source": source_digest(), "python": python, "env": env}
 
 
 def source_digest() -> str:
