@@ -184,7 +184,8 @@ def show(name: str, r: dict) -> dict:
     return r
 
 
-def against_library(base: str, prompts: list[str], requests: int, max_tokens: int, threads: int | None) -> dict:
+def against_library(base: str, prompts: list[str], requests: int, max_tokens: int, threads: int | None,
+                    linear: str = "auto", dtype: str | None = None) -> dict:
     """The server's preset at one client against `refusion.generate` in this process (the preset, batch 1) on the
     same requests, taking turns request by request (the server idle while the library decodes, and the other way
     round), each warmed up first: tokens/s of each over its own requests' wall time."""
@@ -194,7 +195,7 @@ def against_library(base: str, prompts: list[str], requests: int, max_tokens: in
 
     if threads is not None:
         torch.set_num_threads(threads)
-    model, tokenizer = refusion.load()
+    model, tokenizer = refusion.load(dtype=dtype, linear=linear)  # the server's weights
     refusion.generate(model, refusion.encode_prompts(tokenizer, prompts[:1]), max_new_tokens=16)  # warm-up
     server = {"tokens": 0, "seconds": 0.0}
     library = {"tokens": 0, "seconds": 0.0}
@@ -327,7 +328,7 @@ def prefix_report(args, prompts: list[str]) -> dict:
     else:
         ratios = {"ttft_p50_without_over_with": off["ttft"]["p50"] / on["ttft"]["p50"]}
     return {"benchmark": "serving", "workload": args.workload, "model": args.model or "embedded",
-            "max_tokens": args.max_tokens, "slots": args.slots, "threads": args.threads,
+            "max_tokens": args.max_tokens, "slots": args.slots, "threads": args.threads, "linear": args.linear, "dtype": args.dtype,
             "prefix_cache_mb": args.prefix_cache_mb, "cpu": cpu_name(), "results": results, "ratios": ratios,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
@@ -340,6 +341,10 @@ def main() -> None:
     parser.add_argument("--per-task", type=int, default=12, help="held-out prompts of each task slice")
     parser.add_argument("--slots", type=int, default=8, help="refusion's --max-batch-size and llama-server's -np")
     parser.add_argument("--threads", type=int, default=None, help="refusion serve --threads (default: its own)")
+    parser.add_argument("--linear", default="auto",
+                        help="refusion serve --linear (int4: the Q4_1 blocks llama-server multiplies by, the row to "
+                             "compare with it; auto: the base model's own weights)")
+    parser.add_argument("--dtype", default=None, help="refusion serve --dtype (int4 needs bfloat16)")
     parser.add_argument("--library", action="store_true",
                         help="also the server at one client against the preset in this process, request by request")
     parser.add_argument("--llama-server", default=None, help="a llama-server binary (llama.cpp) to compare with")
@@ -372,7 +377,8 @@ def main() -> None:
     results: dict[str, list] = {name: [] for name in variants}
 
     port = free_port()
-    server = start_refusion(port, args.slots, args.threads)
+    weights = ("--linear", args.linear, *(("--dtype", args.dtype) if args.dtype else ()))
+    server = start_refusion(port, args.slots, args.threads, weights)
     base = f"http://127.0.0.1:{port}"
     try:
         info = httpx.get(f"{base}/v1/models", timeout=10).json()
@@ -385,7 +391,8 @@ def main() -> None:
                 results[name].append(show(name, asyncio.run(run_level(base, prompts, clients, requests,
                                                                       args.max_tokens, extra))))
         if args.library:
-            results["library"] = against_library(base, prompts, args.requests or 12, args.max_tokens, args.threads)
+            results["library"] = against_library(base, prompts, args.requests or 12, args.max_tokens, args.threads,
+                                                 args.linear, args.dtype)
             print(f"{'library':15s} clients   1: server {results['library']['server']['output_tokens_per_second']:.1f}"
                   f", library {results['library']['library']['output_tokens_per_second']:.1f} tokens/s", flush=True)
     finally:
@@ -412,7 +419,7 @@ def main() -> None:
     if args.library:
         ratios["server_over_library_at_1"] = results["library"]["server_over_library"]
     print(json.dumps({"benchmark": "serving", "model": info.get("data", [{}])[0], "prompts": len(prompts),
-                      "max_tokens": args.max_tokens, "slots": args.slots, "threads": args.threads,
+                      "max_tokens": args.max_tokens, "slots": args.slots, "threads": args.threads, "linear": args.linear, "dtype": args.dtype,
                       "cpu": cpu_name(), "results": results, "ratios": ratios,
                       "time": time.strftime("%Y-%m-%dT%H:%M:%S")}))
 
