@@ -8,6 +8,7 @@ import torch
 
 import refusion
 from refusion.decode.costs import (
+    LONG_PROBE_CONTEXT,
     AcceptanceByDepth,
     ForwardCosts,
     SuccessRate,
@@ -92,10 +93,35 @@ def test_in_a_batch_the_step_prices_the_padding_to_the_widest_sequence():
     assert draft_counts([(1, chain)], [6, 1, 1], costly) == [5]
 
 
+def test_a_longer_layout_and_a_larger_batch_than_the_probe_s_pay_for_their_attention_and_mask():
+    """Every row of a forward, padding included, attends over the whole layout: beyond the probe's columns each pays
+    `attention` per column; the mask spans every sequence and column, so 4x the probe's columns pay 4x the masking
+    and 2x its batch 2x on top; a shorter layout or a smaller batch never pays less than was timed. One sequence of
+    four with 3 sure drafts verifies them where the step's layout is the probe's, and none over a 10x longer one."""
+    timed = ForwardCosts((1, 64), (1.0, 1.5), padded_row=0.1, masking=0.2, attention=0.001, probe_context=100,
+                         probe_batch=4)
+    base = timed.of(10)
+    assert timed.of_batch(10, 4, 4, columns=100) == pytest.approx(base + 0.1 * 6 + 0.2)
+    assert timed.of_batch(10, 4, 4, columns=400) == pytest.approx(base + 0.1 * 6 + 0.001 * 16 * 300 + 0.8)
+    assert timed.of_batch(10, 8, 4, columns=400) == pytest.approx(base + 0.1 * 22 + 0.001 * 32 * 300 + 0.8 * 2)
+    assert timed.of_batch(10, 2, 8, columns=50) == timed.of_batch(10, 2, 8)  # never below what was timed
+    assert timed.of_batch(4, 4, 1, columns=400) == pytest.approx(timed.of(4) + 0.001 * 4 * 300)  # AR: no mask
+    unscaled = replace(timed, probe_context=0, probe_batch=0)
+    assert unscaled.of_batch(10, 8, 4, 400) == pytest.approx(base + 2.2 + 0.2)
+    sure = AcceptanceByDepth()
+    for _ in range(50):
+        sure.record(drafted=4, accepted=4)
+    chain = tuple((1, c) for c in chances(3, sure))
+    cheap = replace(timed, padded_row=0.01, masking=0.02, attention=0.0001)
+    assert draft_counts([(1, chain)], [1, 1, 1], cheap, columns=100) == [3]  # 6.9 tokens for 1.16 / 4 for 1.02
+    assert draft_counts([(1, chain)], [1, 1, 1], cheap, columns=1000) == [0]  # 6.9 tokens for 2.78 / 4 for 1.38
+
+
 def test_the_probe_prices_a_padding_row_of_a_batch():
     model = tiny_model("llama")
     costs = measure(model, plain_setup(model), widths=(1, 4, 16), repeats=2)
     assert costs.padded_row >= 0 and costs.masking >= 0 and ForwardCosts.from_dict(costs.to_dict()) == costs
+    assert (costs.probe_context, costs.probe_batch) == (128, 4)  # the layout the extras were timed on
 
 
 def test_measured_costs_are_one_per_probed_width_and_never_fall_with_width():
@@ -207,7 +233,10 @@ def test_the_probe_times_decoding_forwards_after_a_cached_context(monkeypatch):
     assert seen[:3] == [(1, 0, 0), (1, 0, 0), (24, 0, 0)]  # untimed, timed, the context
     assert seen[3:12] == [(w, 24, 24) for w in (1, 4, 16)] * 3  # an untimed round, then two timed ones
     # batch extras: four sequences' contexts, then one token each, the first holding 2, 16 (the others 1), 3 rounds
-    assert seen[12:] == [(24, 0, 0)] + [(1, 24, 24), (2, 24, 24), (16, 24, 24)] * 3
+    assert seen[12:22] == [(24, 0, 0)] + [(1, 24, 24), (2, 24, 24), (16, 24, 24)] * 3
+    # what a row pays per column beyond the context: 16 tokens after a long context, an untimed round and two timed
+    assert seen[22:] == [(LONG_PROBE_CONTEXT, 0, 0)] + [(16, LONG_PROBE_CONTEXT, LONG_PROBE_CONTEXT)] * 3
+    assert costs.attention >= 0 and costs.probe_context == 24
 
 
 def test_a_plain_model_measures_nothing():

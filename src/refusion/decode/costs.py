@@ -61,12 +61,17 @@ PROBE_CONTEXT = 128
 them, a cost that grows with width (on refusion-smol in row-exact bf16 on an AVX512-BF16 EPYC, a 16-token decoding
 forward costs 1.7x a one-token one, where forwards without a context measured 1.2x: docs/BENCHMARKS.md, Current
 results: *Forward costs with a context*)."""
-PROBE_VERSION = 3
+PROBE_VERSION = 4
 """Part of the record's key: bump when `measure` changes what it reports, so that older records are measured again.
 2: the one-token forward that decides whether to probe at all is timed after an untimed one (a process's first
 forward, which sets its kernels up, took over MAX_PROBE_SECONDS for the embedded model, and None was recorded: no
 draft was ever priced). 3: a one-token forward over MAX_PROBE_SECONDS is timed once more after another untimed one
-before "not priced" is recorded (one slow forward, another process's start beside it, recorded it for good)."""
+before "not priced" is recorded (one slow forward, another process's start beside it, recorded it for good). 4: the
+record names the layout the costs were timed on (`ForwardCosts.probe_context`, `probe_batch`) and what a row pays
+per column beyond it (`attention`, timed over LONG_PROBE_CONTEXT), which a step's cost scales by its own layout."""
+LONG_PROBE_CONTEXT = 512
+"""The longer cached context over which a PAD_PROBE_WIDTH-token forward is timed again: what each row pays per column
+beyond PROBE_CONTEXT (`ForwardCosts.attention`), as a batch's rows do over its whole layout."""
 PAD_PROBE_BATCH = 4
 """Sequences of the forwards that time padding (`batch_extras`)."""
 PAD_PROBE_WIDTH = 16
@@ -105,7 +110,8 @@ def recorded_costs(model, setup) -> ForwardCosts | None:
            "compact": setup.compact, "native": native_tag(), "device": str(device),
            "accelerator": calibration.device_key(device),
            "probe": {"widths": list(PROBE_WIDTHS), "repeats": PROBE_REPEATS, "context": PROBE_CONTEXT,
-                     "padding": [PAD_PROBE_BATCH, PAD_PROBE_WIDTH], "max_seconds": MAX_PROBE_SECONDS,
+                     "padding": [PAD_PROBE_BATCH, PAD_PROBE_WIDTH], "long_context": LONG_PROBE_CONTEXT,
+                     "max_seconds": MAX_PROBE_SECONDS,
                      "version": PROBE_VERSION}}
 
     def measured() -> dict | None:
@@ -166,7 +172,38 @@ def measure(model, setup, widths: tuple[int, ...] = PROBE_WIDTHS, repeats: int =
         seconds[i] = max(seconds[i], seconds[i - 1])
     costs = ForwardCosts(tuple(widths), tuple(seconds))
     padded_row, masking = batch_extras(run, costs, vocab, repeats, context)
-    return replace(costs, padded_row=padded_row, masking=masking)
+    attention = attention_per_column(run, costs, vocab, repeats, context) if context else 0.0
+    return replace(costs, padded_row=padded_row, masking=masking, attention=attention, probe_context=context,
+                   probe_batch=PAD_PROBE_BATCH)
+
+
+def attention_per_column(run, costs: ForwardCosts, vocab: int, repeats: int = PROBE_REPEATS,
+                         context: int = PROBE_CONTEXT, long_context: int = LONG_PROBE_CONTEXT,
+                         width: int = PAD_PROBE_WIDTH) -> float:
+    """Seconds a row pays per cached column beyond `context`: a `width`-token forward timed after `long_context`
+    cached tokens (fastest of `repeats`, after an untimed one), less the same width after `context` (`costs`), per
+    row and extra column; not below 0."""
+    device = run.device
+    cache = run.new_cache(long_context + width + 1)
+    cache.add_sequence(0)
+    ids = torch.arange(long_context + width, device=device).remainder(vocab)
+    positions = torch.arange(long_context + width, device=device)[None]
+
+    def forward(start: int, n: int) -> float:
+        begin = time.perf_counter()
+        run(cache, ids[None, start: start + n], positions[:, start: start + n], torch.zeros_like(positions[:, :n]),
+            None, [n], [n])
+        return time.perf_counter() - begin
+
+    forward(0, long_context)
+    cache.commit(0, torch.arange(long_context, device=device))
+    times = []
+    for round_ in range(repeats + 1):
+        seconds = forward(long_context, width)
+        cache.discard(0)
+        if round_:
+            times.append(seconds)
+    return max(min(times) - costs.of(width), 0.0) / (width * (long_context - context))
 
 
 def fast_enough(forward, cache) -> bool:
@@ -324,7 +361,7 @@ def best_draft_count(available: int, acceptance: AcceptanceByDepth, costs: Forwa
 
 
 def draft_counts(offers: list[tuple[int, tuple[tuple[int, float], ...]]], others: list[int],
-                 costs: ForwardCosts) -> list[int]:
+                 costs: ForwardCosts, columns: int = 0) -> list[int]:
     """How many items of each sequence's offer one step's forward verifies: the choice with the most expected
     committed tokens per second of that forward.
 
@@ -333,7 +370,9 @@ def draft_counts(offers: list[tuple[int, tuple[tuple[int, float], ...]]], others
     chance that it and every draft before it are accepted, from its drafter's statistics); an item is taken only
     with the items before it. `others`: the widths of the step's other sequences (prefills, plans, AR steps). Every
     sequence commits one token for certain. The forward's cost counts its real rows and its padding: every sequence
-    is padded to the widest (`ForwardCosts.of_batch`), so a sequence drafting alone makes the others pay padding.
+    is padded to the widest (`ForwardCosts.of_batch`), so a sequence drafting alone makes the others pay padding;
+    `columns`: the cache layout the forward attends over (the decoder's `SlotCache.used`), which scales padding and
+    masking.
 
     The rule: merge each offer's items into blocks whose gain per row does not grow along the offer (a block is
     taken whole) and order every sequence's blocks by gain per row; for each width the forward could have, take the
@@ -355,13 +394,13 @@ def draft_counts(offers: list[tuple[int, tuple[tuple[int, float], ...]]], others
             width += block_rows
             blocks.append((gain / max(block_rows, 1), index, count, block_rows, gain, width))
     blocks.sort(key=lambda b: -b[0])  # stable: an offer's blocks keep their order
-    best, best_rate = [], tokens / costs.of_batch(base_rows, batch, base_width)
+    best, best_rate = [], tokens / costs.of_batch(base_rows, batch, base_width, columns)
     for limit in sorted({base_width, *(b[5] for b in blocks if b[5] > base_width)}):
         fitting = [b for b in blocks if b[5] <= limit]
         rows, gain, widest = base_rows, tokens, base_width
         for taken, block in enumerate(fitting, 1):
             rows, gain, widest = rows + block[3], gain + block[4], max(widest, block[5])
-            rate = gain / costs.of_batch(rows, batch, widest)
+            rate = gain / costs.of_batch(rows, batch, widest, columns)
             if rate > best_rate:
                 best, best_rate = fitting[:taken], rate
     counts = [0] * len(offers)

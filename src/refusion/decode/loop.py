@@ -182,7 +182,7 @@ class Decoder:
             return
         others = [r.request.tokens.numel() for r in self.live.values() if not isinstance(r.request, DraftOffer)]
         costs = offering[0].seq.forward_costs  # a program offers only where its costs are known: the decoder's own
-        counts = draft_counts([(r.request.width, r.request.items) for r in offering], others, costs)
+        counts = draft_counts([(r.request.width, r.request.items) for r in offering], others, costs, self.cache.used)
         for running, count in zip(offering, counts):
             try:
                 running.request = running.program.send(count)

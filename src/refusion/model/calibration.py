@@ -88,6 +88,16 @@ class ForwardCosts:
     masking: float = 0.0
     """Seconds a batched forward with a mask (some sequence holding more than one token) costs beyond one without:
     an AR step over a plain context needs no mask. In `seconds` already at batch 1 (width 1 needs none, 4 does)."""
+    attention: float = 0.0
+    """Seconds each row of a forward (real or padding: attention runs over the padded layout) pays per cached column
+    beyond `probe_context`: `seconds` were timed over that many, and a batch's rows attend over the whole layout,
+    its longest context and its holes. 0: not measured."""
+    probe_context: int = 0
+    """The cached columns over which `seconds`, `padded_row` and `masking` were timed: a step over a longer layout
+    pays `attention` for every row and column beyond them, and the mask in proportion. 0: not scaled."""
+    probe_batch: int = 0
+    """The sequences of the forwards that timed `masking`: a larger batch pays it in proportion (the mask and the
+    masked attention are per sequence). 0: not scaled."""
 
     def of(self, width: int) -> float:
         """Seconds of a forward of `width` tokens (interpolated between the measured widths)."""
@@ -98,10 +108,19 @@ class ForwardCosts:
                 return s0 + (s1 - s0) * (width - w0) / (w1 - w0)
         return seconds[0]
 
-    def of_batch(self, rows: int, batch: int, widest: int) -> float:
-        """Seconds of a forward of `batch` sequences holding `rows` real tokens, padded to the `widest`."""
+    def of_batch(self, rows: int, batch: int, widest: int, columns: int = 0) -> float:
+        """Seconds of a forward of `batch` sequences holding `rows` real tokens, padded to the `widest`, over a cache
+        layout of `columns` columns (0: the probe's). Attention and masking grow with a longer layout and a larger
+        batch than the probe's, never shrink below what was timed: on the embedded model, 7-8 masked sequences over
+        200-300 columns took 15-50 % more than the unscaled costs said, and drafts were verified where they lost to
+        AR (docs/archive/BENCHMARKS-JOURNAL.md, *One computing thread*)."""
         masked = batch > 1 and widest > 1
-        return self.of(rows) + self.padded_row * max(batch * widest - rows, 0) + self.masking * masked
+        beyond = max(columns - self.probe_context, 0) if self.probe_context else 0
+        spread = (self.probe_context + beyond) / self.probe_context if self.probe_context else 1.0
+        crowd = max(batch / self.probe_batch, 1.0) if self.probe_batch else 1.0
+        padding = self.padded_row * max(batch * widest - rows, 0)
+        return (self.of(rows) + padding + self.attention * batch * widest * beyond
+                + self.masking * masked * spread * crowd)
 
     def describe(self) -> str:
         widths = ", ".join(f"{w}: {s * 1e3:.1f} ms" for w, s in zip(self.widths, self.seconds))
@@ -109,7 +128,8 @@ class ForwardCosts:
 
     def to_dict(self) -> dict:
         return {"widths": list(self.widths), "seconds": list(self.seconds), "padded_row": self.padded_row,
-                "masking": self.masking}
+                "masking": self.masking, "attention": self.attention, "probe_context": self.probe_context,
+                "probe_batch": self.probe_batch}
 
     @classmethod
     def from_dict(cls, value: dict) -> ForwardCosts:
@@ -125,7 +145,9 @@ class ForwardCosts:
         require(seconds[0] > 0 and all(a <= b for a, b in zip(seconds, seconds[1:])),
                 "seconds: above 0, never less for a wider forward")
         return cls(tuple(widths), tuple(seconds), real(value.get("padded_row", 0.0), 0.0),
-                   real(value.get("masking", 0.0), 0.0))
+                   real(value.get("masking", 0.0), 0.0), real(value.get("attention", 0.0), 0.0),
+                   whole(value.get("probe_context", 0), 0),
+                   whole(value.get("probe_batch", 0), 0))
 
 
 def require(condition: bool, what: str) -> None:
