@@ -78,13 +78,22 @@ def ray_cluster():
         alive = [p for p in alive if _running(p)]  # an exited child not yet reaped (a zombie) is gone
         if alive:  # a worker still inside its task when its raylet went can take longer on a busy machine
             warnings.warn(f"Ray processes still running {STRAGGLER_GRACE:.0f} s after ray.shutdown(), killed: "
-                          f"{names(alive)}", stacklevel=1)
+                          f"{command_lines(alive)}", stacklevel=1)
             for p in alive:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     p.kill()
             _, alive = psutil.wait_procs(alive, timeout=10)
         left = [p for p in alive if _running(p)]
         assert not left, f"Ray processes survived SIGKILL: {names(left)}"
+
+
+def command_lines(processes: list) -> list[str]:
+    """The command lines of the processes still there (a Ray worker's says what it ran: `ray::ServeReplica...`)."""
+    found = []
+    for p in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            found.append(" ".join(p.cmdline())[:200])
+    return found
 
 
 def names(processes: list) -> list[str]:
