@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import platform
+import signal
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -167,6 +169,12 @@ def cpu_name() -> str:
             return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         return platform.processor()
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM ends the benchmark as Ctrl-C does, through its `finally` blocks, so the servers and engines it
+    started stop with it (the default action ends the process on the spot and leaves them running)."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def emit(report: dict) -> None:

@@ -29,6 +29,7 @@ import tempfile
 import time
 
 import httpx
+from harness import exit_on_sigterm
 
 PROMPTS = ["What is 2 + 2?", "Write a haiku about the sea.", "Name three prime numbers.",
            "Explain recursion in one sentence.", "What is the capital of France?", "Count from one to ten.",
@@ -150,6 +151,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None, help="the server's torch threads (default: its own)")
     args = parser.parse_args()
+    exit_on_sigterm()
     strategies = args.strategies.split(",")
     args.server_strategy = args.server_strategy or strategies[0]
     levels = [int(c) for c in args.clients.split(",")]

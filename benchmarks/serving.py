@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 import httpx
-from harness import cpu_name
+from harness import cpu_name, exit_on_sigterm
 from serve_load import MAX_SECONDS, free_port, model_path, percentiles
 
 FRESH_REQUESTS = (
@@ -365,6 +365,7 @@ def main() -> None:
     parser.add_argument("--system-tokens", type=int, default=1000, help="system-prompt: its length, about")
     parser.add_argument("--concurrency", type=int, default=4, help="system-prompt: clients at once")
     args = parser.parse_args()
+    exit_on_sigterm()
     levels = [int(c) for c in args.clients.split(",")]
     prompts = held_out_prompts(args.per_task)
     if args.workload != "levels":

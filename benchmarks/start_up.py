@@ -29,7 +29,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from harness import cpu_name
+from harness import cpu_name, exit_on_sigterm
 
 MAIN_PROMPT = "Write a Python function that returns the square of a number."
 """The README's main command's prompt."""
@@ -116,6 +116,7 @@ def main() -> None:
                         help="llama.cpp without its weight repacking (a CPU where repacking fails)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's threads")
     args = parser.parse_args()
+    exit_on_sigterm()
     directory = tempfile.mkdtemp(prefix="refusion-engine-bench-")
     env = {**os.environ, "REFUSION_ENGINE_DIR": directory, "REFUSION_KEEP_ALIVE": "10m"}
     cold_env = {**env, "REFUSION_KEEP_ALIVE": "0"}
