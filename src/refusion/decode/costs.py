@@ -371,8 +371,8 @@ def draft_counts(offers: list[tuple[int, tuple[tuple[int, float], ...]]], others
     with the items before it. `others`: the widths of the step's other sequences (prefills, plans, AR steps). Every
     sequence commits one token for certain. The forward's cost counts its real rows and its padding: every sequence
     is padded to the widest (`ForwardCosts.of_batch`), so a sequence drafting alone makes the others pay padding;
-    `columns`: the cache layout the forward attends over (the decoder's `SlotCache.used`), which scales padding and
-    masking.
+    `columns`: the cache layout the forward attends over (the decoder's `SlotCache.used`), which every row's attention
+    and the mask pay for.
 
     The rule: merge each offer's items into blocks whose gain per row does not grow along the offer (a block is
     taken whole) and order every sequence's blocks by gain per row; for each width the forward could have, take the

@@ -86,8 +86,9 @@ def spec_key(spec: dict) -> str:
 
 
 def load_resident(spec: dict) -> Resident:
-    """(a passing thread: `refusion.cpu`) Load the model of `spec` and start its app's scheduler, with the decoding defaults a command
-    uses for it: the embedded model's preset when no model is named (`arguments.decode_config_from_args`)."""
+    """(a passing thread: `refusion.cpu`) Load the model of `spec` and start its app's scheduler, with the decoding
+    defaults a command uses for it: the embedded model's preset when no model is named
+    (`arguments.decode_config_from_args`)."""
     from refusion.arguments import check_device
     from refusion.config import DecodeConfig
     from refusion.model.embedded import default_decode_settings_or_none
