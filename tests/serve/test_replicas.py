@@ -67,11 +67,12 @@ class HoldLoad:
 @pytest.fixture(scope="module")
 def ray_cluster():
     """One local Ray cluster for the module; at the end every process it started (raylet, GCS, workers) is gone."""
+    already = {p.pid for p in psutil.Process().children(recursive=True)}  # e.g. multiprocessing's resource tracker
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         yield
     finally:
-        started = psutil.Process().children(recursive=True)
+        started = [p for p in psutil.Process().children(recursive=True) if p.pid not in already]
         assert {"raylet", "gcs_server"} <= set(names(started))  # what is checked below is Ray's
         ray.shutdown()
         _, alive = psutil.wait_procs(started, timeout=STRAGGLER_GRACE)
