@@ -48,11 +48,11 @@ none dropped) never makes it look, and its eager forwards take the mask-free pat
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
 
 CHECK_ENV = "REFUSION_CHECK_CACHE"
 """Set to 1 to check the cache's invariant on every commit on any device (always on the CPU)."""
@@ -107,21 +107,27 @@ def attention_windows(config) -> dict[str, int | None]:
     return {kind: window if kind == "sliding_attention" else None for kind in sorted(set(layer_types))}
 
 
-class _BufferLayer(DynamicLayer):
-    """A transformers cache layer that writes into the SlotCache buffer of its layer."""
+@functools.cache
+def _buffer_layer_class():
+    """The transformers cache layer that writes into the SlotCache buffer of its layer (defined on first use: a
+    model refusion defines itself takes the SlotCache directly, and decoding it never imports transformers)."""
+    from transformers.cache_utils import DynamicLayer
 
-    def __init__(self, owner: SlotCache, index: int):
-        super().__init__()
-        self.owner, self.index = owner, index
+    class BufferLayer(DynamicLayer):
+        def __init__(self, owner: SlotCache, index: int):
+            super().__init__()
+            self.owner, self.index = owner, index
 
-    def update(self, key_states, value_states, *args, **kwargs):
-        return self.owner.write(self.index, key_states, value_states)
+        def update(self, key_states, value_states, *args, **kwargs):
+            return self.owner.write(self.index, key_states, value_states)
 
-    def get_seq_length(self) -> int:
-        return self.owner.used
+        def get_seq_length(self) -> int:
+            return self.owner.used
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return (self.owner.capacity if self.owner.static else self.owner.used + query_length), 0
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return (self.owner.capacity if self.owner.static else self.owner.used + query_length), 0
+
+    return BufferLayer
 
 
 class SlotCache:
@@ -156,7 +162,17 @@ class SlotCache:
         self._dirty = False  # entries may have been dropped (or padding freed) since the metadata was last read
         self._holes = False  # some row may have an EMPTY column before `used` (as of the last read)
         self._padded = False  # the forward in flight has padding columns
-        self.hf = Cache(layers=[_BufferLayer(self, i) for i in range(num_layers)])
+        self._hf = None
+
+    @property
+    def hf(self):
+        """This cache as a transformers `Cache` (what a transformers model's forward takes), built on first use."""
+        if self._hf is None:
+            from transformers.cache_utils import Cache
+
+            layer = _buffer_layer_class()
+            self._hf = Cache(layers=[layer(self, i) for i in range(self.num_layers)])
+        return self._hf
 
     # ----------------------------------------------------------------------------- rows
     @property

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from refusion.model.kernels.fused import LINEAR_NAMES, FusedProduct, base_of, fused_products
 from refusion.model.kernels.native import native_layers
@@ -88,7 +87,7 @@ class CompactForward:
         self.lm_head = model.lm_head
         family = sys.modules[type(model).__module__]  # the family's modeling module: its own functions
         attention = model.config._attn_implementation
-        self.attention = family.eager_attention_forward if attention == "eager" else ALL_ATTENTION_FUNCTIONS[attention]
+        self.attention = attention_function(model)
         self.rotate = family.apply_rotary_pos_emb
         self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")  # Qwen3
         self.layer_types = getattr(model.config, "layer_types", None)  # which mask each layer takes, when several
@@ -177,7 +176,7 @@ def compact_forward(model, built: CompactForward | None = None) -> CompactForwar
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
         return None
-    if config._attn_implementation != "eager" and config._attn_implementation not in ALL_ATTENTION_FUNCTIONS:
+    if attention_function(model) is None:
         return None
     called = (inner.embed_tokens, model.lm_head)  # called as modules, so their hooks run
     for module in model.modules():
@@ -190,6 +189,22 @@ def compact_forward(model, built: CompactForward | None = None) -> CompactForwar
             return earlier
     _last_built[model] = forward = CompactForward(model)
     return forward
+
+
+def attention_function(model):
+    """The attention function `model`'s layers call, looked up once: its family module's own (refusion's model
+    definition keeps them in `ATTENTION_FUNCTIONS`; transformers' modeling modules have `eager_attention_forward`
+    and the rest in transformers' registry), or None for an implementation neither knows."""
+    family = sys.modules[type(model).__module__]
+    name = model.config._attn_implementation
+    own = getattr(family, "ATTENTION_FUNCTIONS", None)
+    if own is not None:
+        return own.get(name)
+    if name == "eager":
+        return family.eager_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[name] if name in ALL_ATTENTION_FUNCTIONS else None
 
 
 def linear_kernels(layers: nn.ModuleList) -> list[tuple]:

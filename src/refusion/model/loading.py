@@ -22,7 +22,8 @@ from refusion.hub import hub_reachable
 from refusion.model import build_cache, embedded
 from refusion.model.adapter import adapter_base, adapter_gate, is_adapter_dir
 from refusion.model.kernels.registry import check_linear
-from refusion.model.kernels.row_exact import EXACT_ATTENTION, packed_rows_match, packing_available
+from refusion.model.kernels.row_exact import (EXACT_ATTENTION, packed_rows_match, packing_available,
+                                              register_with_transformers)
 from refusion.model.setup import prepare
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -194,6 +195,7 @@ def _build(source: Source, dtype: torch.dtype, attn_implementation: str):
     """Load with transformers; dequantize a GGUF file; merge an adapter in fp32, then cast."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    register_with_transformers()
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     try:
         with _without_gguf_progress_bar(source):
@@ -263,6 +265,7 @@ def _save(built, directory: Path) -> None:
 def _load_saved(directory: Path, *, dtype: torch.dtype, attn_implementation: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    register_with_transformers()
     tokenizer = AutoTokenizer.from_pretrained(directory)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation=attn_implementation)
     return model, tokenizer

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from refusion.model.kernels.row_exact import register_with_transformers
+
 TINY_VOCAB = 64
 TINY_MASK_ID = 63
 TINY_EOS_ID = 2
@@ -29,6 +31,7 @@ def tiny_model(arch: str = "qwen3", *, vocab_size: int = TINY_VOCAB, hidden_size
     )
     config.mask_token_id = vocab_size - 1
     torch.manual_seed(seed)
+    register_with_transformers()
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
     # Random init gives near-uniform logits; sharpen them so that thresholds are crossed both ways.
     with torch.no_grad():

@@ -30,10 +30,10 @@ skips it.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 from torch import nn
-from transformers.activations import SiLUActivation
 
 from refusion.model.kernels.extension import native_extension
 from refusion.model.kernels.fused import LINEAR_NAMES, FusedProduct, base_of
@@ -47,8 +47,13 @@ from refusion.model.kernels.row_exact import EXACT_ATTENTION, SOFTMAX_COLUMNS
 ATTENTIONS = {EXACT_ATTENTION: 0, "sdpa": 1}
 """The attention implementations the C++ layers compute (the constants of decoder_layers.cpp): exact attention,
 and transformers' sdpa function as it runs on a CPU."""
-SILU = (nn.SiLU, SiLUActivation)
-"""The MLP activations the C++ layers compute (F.silu)."""
+
+
+def silu_types() -> tuple[type, ...]:
+    """The MLP activations the C++ layers compute (F.silu): torch's, and transformers' where its modeling code is
+    loaded (a transformers model's is; refusion's own model definition uses torch's)."""
+    activations = sys.modules.get("transformers.activations")
+    return (nn.SiLU,) if activations is None else (nn.SiLU, activations.SiLUActivation)
 
 
 class NativeLayers:
@@ -186,7 +191,7 @@ def native_layers(compact) -> NativeLayers | None:
         return None
     if any(p.device.type != "cpu" for p in layers.parameters()):  # a GPU's step is its kernels, not Python
         return None
-    if attention == "sdpa" and not sdpa_as_on_a_cpu():
+    if attention == "sdpa" and not own_definition(compact) and not sdpa_as_on_a_cpu():
         return None
     if not layers_supported(layers):
         return None
@@ -198,12 +203,18 @@ def layers_supported(layers: nn.ModuleList) -> bool:
     """Whether every decoder layer has a SiLU MLP, causal attention, and linear layers of the kinds the C++ layers
     compute (every registered kernel, maybe wrapped in a mask-gated adapter)."""
     for layer in layers:
-        if type(layer.mlp.act_fn) not in SILU or not getattr(layer.self_attn, "is_causal", True):
+        if type(layer.mlp.act_fn) not in silu_types() or not getattr(layer.self_attn, "is_causal", True):
             return False
         members = [getattr(getattr(layer, block), name) for block, names in LINEAR_NAMES.items() for name in names]
         if any(kernel_of_layer(base_of(m)) is None for m in members):
             return False
     return True
+
+
+def own_definition(compact) -> bool:
+    """Whether the compact forward runs refusion's own model definition (`model.definition`), whose sdpa function is
+    the CPU branch of transformers' that the C++ layers mirror, whatever transformers would choose."""
+    return type(compact.layers[0]).__module__ == "refusion.model.definition"
 
 
 def sdpa_as_on_a_cpu() -> bool:

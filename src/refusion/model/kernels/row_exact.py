@@ -42,8 +42,6 @@ from dataclasses import astuple, dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 MAX_PACKED_BYTES = 2 * 2**30
 """Models whose linear weights take more than this are not packed (the packed copy doubles their memory)."""
@@ -336,5 +334,18 @@ def cache_dtype(model) -> torch.dtype | None:
     return torch.float64
 
 
-AttentionInterface.register(EXACT_ATTENTION, exact_attention)
-AttentionMaskInterface.register(EXACT_ATTENTION, eager_mask)  # additive masks, as eager attention takes them
+def register_with_transformers() -> None:
+    """Register `exact_attention` with transformers under EXACT_ATTENTION (with additive masks, as eager attention
+    takes them), so that its models load and run with `attn_implementation="refusion_exact"`. Idempotent. Called by
+    the code that builds transformers models (`model.loading`, `model.tiny`) and at this module's import when
+    transformers is loaded already; refusion's own model definition (`model.definition`) needs none of it, so a
+    cold start through it never imports transformers."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(EXACT_ATTENTION, exact_attention)
+    AttentionMaskInterface.register(EXACT_ATTENTION, eager_mask)
+
+
+if "transformers" in sys.modules:
+    register_with_transformers()
