@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -132,6 +133,25 @@ def test_a_corrupt_entry_is_rebuilt_never_trusted(adapter_dir, cache_dir, builds
     assert torch.equal(_logits(rebuilt), _logits(reference))
     again, _ = _load(adapter_dir)  # the rebuilt entry is whole again
     assert len(builds) == 2 and torch.equal(_logits(again), _logits(reference))
+
+
+def test_an_unchanged_entry_is_not_hashed_again_and_a_touched_one_is(adapter_dir, cache_dir, builds, monkeypatch):
+    """Files with the size and modification time recorded at writing are trusted without hashing (the weights' hash
+    was most of a cold start's cache check); a file touched since (same bytes) is hashed, found whole and used."""
+    reference, _ = _load(adapter_dir)
+    hashed = []
+    sha256_file = build_cache.sha256_file
+    entry = _entries(cache_dir)[0]
+    monkeypatch.setattr(build_cache, "sha256_file",  # (the adapter's own files are hashed for the key)
+                        lambda path: (path.parent == entry and hashed.append(path.name)) or sha256_file(path))
+    again, _ = _load(adapter_dir)
+    assert len(builds) == 1 and hashed == []
+    weights = entry / "model.safetensors"
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    touched, _ = _load(adapter_dir)
+    assert len(builds) == 1 and hashed == ["model.safetensors"]
+    assert torch.equal(_logits(touched), _logits(reference)) and torch.equal(_logits(again), _logits(reference))
 
 
 def test_an_unwritable_cache_still_loads(adapter_dir, tmp_path, builds, monkeypatch, capsys):

@@ -10,8 +10,10 @@ result back from safetensors takes well under a second. So the first `refusion.l
   adapter file), the dtype, the versions of refusion, transformers, torch (and peft, gguf) and `FORMAT`.
   An entry for the same inputs under another key is stale: it is replaced, never used.
 * Trust: an entry is used only when its manifest (written last) holds the same key and every listed file has
-  the recorded size and SHA-256. Anything else (truncated or changed file, missing manifest, an entry that fails
-  to load) is rebuilt. Entries are written into a temporary directory and renamed into place, so a crashed or
+  the recorded size and SHA-256. A file that still has the size and modification time recorded when it was
+  written is not hashed again (any write to it changes its modification time; hashing the weights took ~1 s of
+  each cold start); one whose time differs (copied, touched, rewritten) is hashed and compared. Anything else
+  (truncated or changed file, missing manifest, an entry that fails to load) is rebuilt. Entries are written into a temporary directory and renamed into place, so a crashed or
   concurrent build never leaves a half-written entry under the entry's name.
 """
 
@@ -32,7 +34,7 @@ from pathlib import Path
 
 from refusion.cache_dirs import cache_root
 
-FORMAT = 1
+FORMAT = 2
 """Bump when what is built (or how it is saved) changes, so that older entries are rebuilt."""
 MANIFEST = "refusion_manifest.json"
 
@@ -112,9 +114,10 @@ def _check_entry(entry: Path, inputs: dict, key: dict) -> str | None:
     for name, expected in files.items():
         path = entry / name
         try:
-            if path.stat().st_size != expected["size"]:
+            stat = path.stat()
+            if stat.st_size != expected["size"]:
                 return f"has a truncated or changed file ({name})"
-            if sha256_file(path) != expected["sha256"]:
+            if stat.st_mtime_ns != expected.get("mtime_ns") and sha256_file(path) != expected["sha256"]:
                 return f"has a corrupted file ({name})"
         except (OSError, KeyError, TypeError):
             return f"is missing a file ({name})"
@@ -131,7 +134,8 @@ def _store(entry: Path, inputs: dict, key: dict, built: tuple, save: Callable[[t
         return
     try:
         save(built, tmp)
-        files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
+        files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns,
+                                           "sha256": sha256_file(p)}
                  for p in sorted(tmp.rglob("*")) if p.is_file()}
         manifest = {"format": FORMAT, "inputs": inputs, "key": key, "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
