@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import refusion
-from refusion.model.draft_table import DEFAULT_ORDERS, TABLE_FILE, DraftTable
+from refusion.model.draft_table import DEFAULT_ORDERS, TABLE_FILE, DraftTable, RunIndex
 from refusion.model.setup import prepare, setup_of
 from refusion.model.tiny import tiny_model, tiny_tokenizer
 
@@ -206,3 +206,27 @@ def test_a_table_written_with_one_metadata_entry_per_setting_still_loads(tmp_pat
     old = DraftTable.load(tmp_path / "old.safetensors")
     assert (old.orders, old.min_confidence, old.followers) == (table.orders, table.min_confidence,
                                                                DraftTable.load(tmp_path / "new.safetensors").followers)
+
+
+@pytest.mark.parametrize("orders,largest_id", [((3, 2), 151935), ((4, 3), 151935)])  # the second's keys need > 63 bits
+def test_a_loaded_table_drafts_as_it_did_from_dicts_whether_indexed_or_not(tmp_path, orders, largest_id, monkeypatch):
+    """A loaded table answers from the file's arrays (`RunIndex`) where run keys fit 63 bits, else from dicts; both
+    give the same followers, runner-ups and drafts (those of the file's fp32 frequencies)."""
+    import random
+
+    rng = random.Random(0)
+    words = [1, 2, 3, 4, 5, largest_id, largest_id - 7]
+    sequences = [[rng.choice(words) for _ in range(60)] for _ in range(20)]
+    table = DraftTable.from_sequences(sequences, orders=orders, min_count=2, min_confidence=0.05)
+    table.save(tmp_path / TABLE_FILE)
+    loaded = DraftTable.load(tmp_path / TABLE_FILE)
+    monkeypatch.setattr(RunIndex, "of", staticmethod(lambda orders, parts: None))
+    dicts = DraftTable.load(tmp_path / TABLE_FILE)
+    indexed = largest_id ** max(orders) < 2**63
+    assert isinstance(loaded.followers, RunIndex) == indexed and isinstance(dicts.followers, dict)
+    assert dict(loaded.followers) == dicts.followers and dict(loaded.runner_ups) == dicts.runner_ups
+    assert set(loaded.followers) == set(table.followers) and dict(loaded.runner_ups) == table.runner_ups
+    for text in sequences[:5] + [[9, 9], [largest_id + 1, 1, 2], []]:
+        for end in range(len(text) + 1):
+            assert loaded.drafts(text[:end], 6) == dicts.drafts(text[:end], 6)
+            assert loaded.runner_up(text[:end]) == dicts.runner_up(text[:end])
