@@ -23,11 +23,13 @@ def counters(url: str) -> dict[str, float]:
 
 
 def ask(client, messages: list[dict], extra: dict):
-    """(answer text, cached prompt tokens) of one chat completion."""
+    """(answer text, cached prompt tokens) of one chat completion; its usage reports them as OpenAI does."""
     response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
                                               extra_body={"refusion": extra})
     choice = response.choices[0]
-    return choice.message.content, choice.model_extra["refusion"].get("cached_prompt_tokens")
+    cached = choice.model_extra["refusion"].get("cached_prompt_tokens")
+    assert response.usage.prompt_tokens_details.cached_tokens == (cached or 0)
+    return choice.message.content, cached
 
 
 def conversation(question: str) -> list[dict]:

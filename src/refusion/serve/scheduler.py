@@ -69,6 +69,8 @@ class Event:
     finish_reason: str | None = None
     """"stop" (EOS or a stop string), "length" (max_tokens), "cancelled"; None while decoding goes on."""
     completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    """Final event: the prompt tokens whose KV entries came from the prefix cache (0 without one)."""
     stats: dict | None = None
     """Decoder statistics of the finished sequence (forwards, rounds, tokens_per_forward, phase_forwards, ...)."""
     error: str | None = None
@@ -413,7 +415,8 @@ class Scheduler:
         if stopped or finished:
             # the program decided why it ended ("eos" or "length"); OpenAI calls an EOS a "stop"
             reason = "stop" if stopped or seq.stats.finish_reason == "eos" else "length"
-            self._leave(job, Event(finish_reason=reason, completion_tokens=len(tokens), stats=self._stats(job)))
+            self._leave(job, Event(finish_reason=reason, completion_tokens=len(tokens),
+                                   cached_prompt_tokens=seq.stats.cached_tokens or 0, stats=self._stats(job)))
 
     def _new_logprobs(self, job: Job, tokens: list[int]) -> list[PublishedLogprob]:
         """The logprobs of the tokens whose text now lies within the text sent (a token cut by a stop string, or

@@ -38,9 +38,12 @@ class Reply:
         self.include_usage = body.include_usage()
         self.logprobs = body.logprobs_wanted() is not None
 
-    def usage(self, completion_tokens: int) -> dict:
+    def usage(self, completion_tokens: int, cached_tokens: int) -> dict:
+        """OpenAI's usage object; `cached_tokens`: prompt tokens read from the prefix cache (vLLM and OpenAI report
+        them in `prompt_tokens_details`)."""
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": self.prompt_tokens + completion_tokens}
+                "total_tokens": self.prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
     def choice(self, index: int, text: str, event: Event | None, logprobs: list[PublishedLogprob]) -> dict:
         finish = event.finish_reason if event else None
@@ -53,10 +56,10 @@ class Reply:
             choice["refusion"] = event.stats
         return choice
 
-    def whole(self, choices: list[dict], completion_tokens: int) -> dict:
+    def whole(self, choices: list[dict], completion_tokens: int, cached_tokens: int) -> dict:
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "system_fingerprint": None, "choices": choices,
-                "usage": self.usage(completion_tokens)}
+                "usage": self.usage(completion_tokens, cached_tokens)}
 
     def logprobs_object(self, logprobs: list[PublishedLogprob] | None) -> dict | None:
         """OpenAI's logprobs of a choice or chunk: chat `{"content": [...], "refusal": None}`, completions
@@ -85,8 +88,8 @@ class Reply:
             choice["refusion"] = event.stats
         return self._chunk([choice])
 
-    def usage_chunk(self, completion_tokens: int) -> dict:
-        return {**self._chunk([]), "usage": self.usage(completion_tokens)}
+    def usage_chunk(self, completion_tokens: int, cached_tokens: int) -> dict:
+        return {**self._chunk([]), "usage": self.usage(completion_tokens, cached_tokens)}
 
     def _chunk(self, choices: list[dict]) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -141,7 +144,8 @@ async def collect(request: Request, jobs: list[Job], queue: asyncio.Queue, reply
         else:
             return JSONResponse(error_body("client disconnected"), status_code=CLIENT_CLOSED_REQUEST)
     choices = [reply.choice(i, texts[i], finals[i], logprobs[i]) for i in range(len(jobs))]
-    return JSONResponse(reply.whole(choices, sum(f.completion_tokens for f in finals)))
+    return JSONResponse(reply.whole(choices, sum(f.completion_tokens for f in finals),
+                                    sum(f.cached_prompt_tokens for f in finals)))
 
 
 async def stream(server: Server, request: Request, jobs: list[Job], queue: asyncio.Queue,
@@ -157,7 +161,7 @@ async def stream(server: Server, request: Request, jobs: list[Job], queue: async
         if reply.chat:
             for i in range(len(jobs)):
                 yield sse(reply.chunk(i, None, role=True))
-        done, completion_tokens = 0, 0
+        done, completion_tokens, cached_tokens = 0, 0, 0
         try:
             async with contextlib.aclosing(events(request, queue, deadline)) as relayed:
                 async for index, event in relayed:
@@ -170,10 +174,11 @@ async def stream(server: Server, request: Request, jobs: list[Job], queue: async
                     if event.final:
                         done += 1
                         completion_tokens += event.completion_tokens
+                        cached_tokens += event.cached_prompt_tokens
                         yield sse(reply.chunk(index, None, event))
                     if done == len(jobs):
                         if reply.include_usage:
-                            yield sse(reply.usage_chunk(completion_tokens))
+                            yield sse(reply.usage_chunk(completion_tokens, cached_tokens))
                         status = 200
                         break
                 else:
