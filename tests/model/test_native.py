@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -322,10 +324,13 @@ def test_loading_the_extension_again_reuses_its_build():
     assert flags == (extension.CFLAGS, extension.OPENMP)
 
 
-def test_refusion_native_0_skips_the_extension_and_a_failed_build_warns(monkeypatch):
+def test_refusion_native_0_skips_the_extension_and_a_failed_build_warns(monkeypatch, tmp_path):
     from torch.utils import cpp_extension
 
+    assert (Path(cpp_extension._get_build_directory(extension.EXTENSION, verbose=False)) / extension.build_tag()
+            == extension.build_directory())  # where an earlier build is imported from without torch's loader
     extension.native_extension.cache_clear()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built there
     try:
         monkeypatch.setenv(extension.NATIVE_ENV, "0")
         assert extension.native_extension() is None
