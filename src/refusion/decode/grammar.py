@@ -69,15 +69,22 @@ def _token_info(tokenizer, vocab_size: int, eos_token_ids: list[int]):
 
 
 def _build_token_info(tokenizer, vocab_size: int, eos_token_ids: list[int]):
-    """Straight from a byte-level fast tokenizer (the HF tokenizer JSON), else built from the vocabulary (each id's
-    decoded text; special tokens marked as such)."""
-    import llguidance
-    import llguidance.hf
+    """Straight from a byte-level tokenizer's `tokenizers` backend (the HF tokenizer JSON: transformers' fast
+    tokenizers and refusion's own have one; what `llguidance.hf.from_tokenizer` reads, without importing
+    transformers), else built from the vocabulary (each id's decoded text; special tokens marked as such)."""
+    import copy
 
-    try:
-        return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids)
-    except ValueError:  # a decoder llguidance does not read (e.g. the character-level test tokenizer)
-        pass
+    import llguidance
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        backend = copy.copy(backend)
+        backend.no_padding()
+        backend.no_truncation()
+        try:
+            return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos_token_ids)
+        except ValueError:  # a decoder llguidance does not read (e.g. the character-level test tokenizer)
+            pass
     special = set(tokenizer.all_special_ids)
     tokens = []
     for i in range(vocab_size):
