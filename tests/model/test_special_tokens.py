@@ -87,9 +87,11 @@ def test_eos_default_is_the_generation_config_plus_the_tokenizer_eos(tmp_path):
     prompts = [[1, 5, 7, 9], [1, 3, 4, 5, 6, 7, 8, 10, 11]]
     out = refusion.generate(loaded, prompts, max_new_tokens=25, strategy="autoregressive")
     assert [s[-1] for s in out.sequences] == [15, 17]  # one stopped on the tokenizer's EOS, one on the config's
+    reference, _ = load(tmp_path, dtype="float32", device="cpu", implementation="transformers")  # its `generate`
+    assert setup_of(reference).special_tokens == setup_of(loaded).special_tokens
     for prompt, sequence in zip(prompts, out.sequences):
-        expected = loaded.generate(torch.tensor([prompt]), max_new_tokens=25, do_sample=False,
-                                   pad_token_id=0)[0, len(prompt):].tolist()
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=25, do_sample=False,
+                                      pad_token_id=0)[0, len(prompt):].tolist()
         assert sequence == expected
 
 

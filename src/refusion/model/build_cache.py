@@ -68,13 +68,15 @@ def sha256_file(path: Path) -> str:
 
 
 def cached_build(label: str, inputs: dict, key: dict, build: Callable[[], tuple], save: Callable[[tuple, Path], None],
-                 load: Callable[[Path], tuple]) -> tuple:
+                 load: Callable[[Path], tuple], read_back: Callable[[Path], bool] | None = None) -> tuple:
     """`load(entry)` of a verified cache entry, else `build()`, saved with `save(built, directory)`.
 
     Args:
         label: readable start of the entry's name ("refusion-smol-bfloat16").
         inputs: what is being built (paths, dtype); entries with the same inputs and another `key` are stale.
         key: the identity of the inputs' contents and of the code that builds them.
+        read_back: where it says so of the entry just stored, `load(entry)` is returned instead of what was built
+            (the same weights, loaded the way every later load will load them).
     """
     root = cache_root()
     if root is None:
@@ -94,6 +96,8 @@ def cached_build(label: str, inputs: dict, key: dict, build: Callable[[], tuple]
     built = build()
     _store(entry, inputs, key, built, save)
     _remove_stale(entry, family)
+    if read_back is not None and _check_entry(entry, inputs, key) is None and read_back(entry):
+        return load(entry)
     return built
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,6 +28,10 @@ from refusion.model.kernels.row_exact import (EXACT_ATTENTION, packed_rows_match
 from refusion.model.setup import prepare
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+IMPLEMENTATIONS = ("auto", "refusion", "transformers")
+"""Whose code builds a loaded model and tokenizer (`load`'s `implementation`)."""
+SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")
+"""The weight files refusion's own model definition reads."""
 ALIASES = ("smollm2",)
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "merges.txt",
@@ -128,7 +133,7 @@ def _check_model_dir(path: Path) -> None:
 
 def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None = None,
          device: torch.device | str | None = None, *, attn_implementation: str | None = None,
-         linear: str = "auto", compile: bool = False):
+         linear: str = "auto", compile: bool = False, implementation: str = "auto"):
     """Load (model, tokenizer) ready for `refusion.generate`.
 
     Args:
@@ -145,6 +150,12 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
             `refusion.model.kernels.int4`) (`refusion.model.setup.prepare`).
         compile: decode through `torch.compile` over fixed shapes (CUDA graphs on a GPU: `refusion.model.compiled`);
             each width's first forward compiles. Off by default (docs/DECODING.md, "Compiled forwards").
+        implementation: whose code builds the model and tokenizer: "auto" (refusion's own model definition and
+            tokenizer, `refusion.model.definition` and `refusion.model.tokenizer`, where both read the directory:
+            a Llama, Mistral, Qwen2 or Qwen3 safetensors checkpoint with a tokenizer.json, the embedded model's
+            cache among them; transformers elsewhere), "refusion" (those, or a one-line error saying why not) or
+            "transformers". Both give the same logits bit for bit; refusion's own import no transformers code, which
+            takes seconds to import. GGUF files, merged adapters and hub ids are built by transformers.
 
     The loaded model is prepared (`refusion.model.setup.prepare`): on a CPU with native bf16 (AMX, AVX512-BF16),
     bf16 linear layers multiply by weights packed once (`refusion.model.kernels.row_exact`); elsewhere on a CPU where it
@@ -153,6 +164,8 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
     once and then read from the disk cache (`build_cache.py`).
     """
     check_linear(linear)
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r} is not one of {', '.join(IMPLEMENTATIONS)}")
     device = torch.device(device) if device is not None else default_device()
     if isinstance(dtype, str):
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
@@ -164,7 +177,7 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
     if not source.is_local and not _in_local_cache(source.path) and not hub_reachable():
         raise ValueError(f"could not load {source.path!r}: it is not a local path, not in the local Hugging Face "
                          "cache, and the hub cannot be reached (this machine is offline)")
-    model, tokenizer = _load_or_build(source, dtype, attn_implementation)
+    model, tokenizer = _load_or_build(source, dtype, attn_implementation, implementation)
     model.to(device).eval()
     shipped = source.gguf_file and (source.adapter_dir is None or adapter_gate(source.adapter_dir) == "mask")
     weights_file = Path(source.path) / source.gguf_file if shipped else None  # a merged adapter changed the weights
@@ -173,22 +186,62 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
     return model, tokenizer
 
 
-def _load_or_build(source: Source, dtype: torch.dtype, attn_implementation: str):
+def _load_or_build(source: Source, dtype: torch.dtype, attn_implementation: str, implementation: str):
     """(model, tokenizer) of a source: built, or read back from the cache when building is slow. A mask-gated
     adapter is not merged: its base comes from the cache and the adapter is attached (a second's work)."""
     if source.adapter_dir is not None and adapter_gate(source.adapter_dir) == "mask":
         from refusion.model.adapter import attach_adapter
 
-        model, tokenizer = _load_or_build(replace(source, adapter_dir=None), dtype, attn_implementation)
+        model, tokenizer = _load_or_build(replace(source, adapter_dir=None), dtype, attn_implementation,
+                                          implementation)
         return attach_adapter(source.adapter_dir, model, tokenizer), tokenizer
+    if source.gguf_file is None and source.adapter_dir is None and source.is_local \
+            and _own_code_loads(Path(source.path), implementation):
+        return _load_own(Path(source.path), dtype, attn_implementation)
     build = functools.partial(_build, source, dtype, attn_implementation)
     key = _cache_key(source, dtype)
     if key is None:
+        if implementation == "refusion":
+            _own_code_loads(None, implementation, f"{_files_of(source)} is built by transformers")
         return build()
     label, inputs, key = key
     return build_cache.cached_build(label, inputs, key, build, save=_save,
                                     load=functools.partial(_load_saved, dtype=dtype,
-                                                           attn_implementation=attn_implementation))
+                                                           attn_implementation=attn_implementation,
+                                                           implementation=implementation),
+                                    read_back=functools.partial(_own_code_loads, implementation=implementation))
+
+
+def _own_code_loads(directory: Path | None, implementation: str, reason: str | None = None) -> bool:
+    """Whether refusion's own model definition and tokenizer load `directory` (see `load`'s `implementation`);
+    with implementation "refusion", a one-line ValueError saying why they cannot."""
+    if implementation == "transformers":
+        return False
+    if reason is None:
+        from refusion.model import definition, tokenizer
+
+        config = directory / "config.json"
+        try:
+            values = json.loads(config.read_text())
+        except (OSError, ValueError) as e:
+            values, reason = None, f"{config} does not read ({type(e).__name__})"
+        if values is not None:
+            reason = definition.supports(values) if isinstance(values, dict) else f"{config} is not an object"
+        if reason is None and not any((directory / name).is_file() for name in SAFETENSORS_FILES):
+            reason = "its weights are not in safetensors files"
+        reason = reason or tokenizer.supports(directory)
+    if reason is not None and implementation == "refusion":
+        raise ValueError(f"implementation='refusion' cannot load {directory or 'this model'}: {reason} "
+                         "(implementation='auto' loads it with transformers)")
+    return reason is None
+
+
+def _load_own(directory: Path, dtype: torch.dtype, attn_implementation: str):
+    """(model, tokenizer) by refusion's own model definition and tokenizer."""
+    from refusion.model.definition import load_model
+    from refusion.model.tokenizer import load_tokenizer
+
+    return load_model(directory, dtype, attn_implementation), load_tokenizer(directory)
 
 
 def _build(source: Source, dtype: torch.dtype, attn_implementation: str):
@@ -262,7 +315,9 @@ def _save(built, directory: Path) -> None:
     tokenizer.save_pretrained(directory)
 
 
-def _load_saved(directory: Path, *, dtype: torch.dtype, attn_implementation: str):
+def _load_saved(directory: Path, *, dtype: torch.dtype, attn_implementation: str, implementation: str):
+    if _own_code_loads(directory, implementation):
+        return _load_own(directory, dtype, attn_implementation)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     register_with_transformers()
