@@ -183,3 +183,33 @@ def test_fused_narrow_members_read_one_stacked_weight_and_still_save(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     saved = loaded.state_dict()
     assert all(torch.equal(value, saved[name]) for name, value in model.state_dict().items())
+
+
+def test_fusion_exactness_is_probed_once_per_machine_and_a_record_that_no_longer_holds_is_probed_again(
+        monkeypatch, tmp_path):
+    from refusion.model.calibration import CalibrationWarning
+
+    monkeypatch.setenv("REFUSION_CACHE", str(tmp_path))
+    machine, probes = {"exact": True}, []  # what the kernels do here: the probe's answer at every row count
+
+    def probe(*args, rows=None):
+        probes.append(rows)
+        return machine["exact"]
+
+    monkeypatch.setattr(fused, "probe_fusion", probe)
+    shape = ("narrow", HIDDEN, (64, 32, 32), False, torch.float32, False)
+
+    def new_process() -> bool:
+        fused.fusion_is_exact.cache_clear()
+        return fused.fusion_is_exact(*shape)
+
+    try:
+        assert new_process() and probes == [None]  # measured
+        assert new_process() and probes == [None, (1,)]  # read back, checked at one row count
+        machine["exact"] = False  # e.g. another torch build's kernels under the same record
+        with pytest.warns(CalibrationWarning, match="does not hold"):
+            assert not new_process()
+        assert probes == [None, (1,), (1,), None]  # the check failed: measured again
+        assert not new_process() and probes == [None, (1,), (1,), None]  # "not exact" needs no check
+    finally:
+        fused.fusion_is_exact.cache_clear()

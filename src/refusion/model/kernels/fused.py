@@ -54,6 +54,8 @@ FUSED_GROUPS = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj"
 PROBE_ROWS = (1, 2, 5, 33)
 """Row counts `fusion_is_exact` compares (33: past the packed kernel's exact chunk of 32 rows); narrow products:
 every count they multiply weight-major, 1..narrow.MAX_ROWS."""
+FUSION_PROBE_VERSION = 1
+"""Part of `fusion_is_exact`'s record key: bump when `probe_fusion` changes what it reports."""
 PACKED_PROBE_ROWS = (*range(1, 34), 64, 100)
 """Row counts at which `fusion_is_exact` compares the packed copies of narrow products (any count takes them)."""
 
@@ -232,13 +234,38 @@ def fused_products(layer: nn.Module) -> dict[str, FusedProduct]:
 
 
 @functools.cache
-@torch.no_grad()
 def fusion_is_exact(kind: str, in_features: int, out_features: tuple[int, ...], bias: bool,
                     dtype: torch.dtype = torch.bfloat16, packed: bool = False) -> bool:
+    """Whether one `kind` product over weights of these shapes stacked gives, bit for bit, each one's own product
+    (`probe_fusion`): probed once per machine and shape and recorded (`model.calibration`; the probe compares bits,
+    so it gives the same answer every time, but it took ~0.4 s of every start). A recorded "exact" is checked
+    before it is used, at one row count (`probe_fusion` over (1,)): a stale or edited record would void the
+    exactness promise silently."""
+    from refusion.model import calibration
+
+    def parse(value) -> bool:
+        calibration.require(isinstance(value, bool), "true or false")
+        return value
+
+    def check(exact: bool) -> str | None:
+        if exact and not probe_fusion(kind, in_features, out_features, bias, dtype, packed, rows=(1,)):
+            return "a product of one row differs"
+        return None
+
+    key = {"fused": kind, "shape": [list(out_features), in_features], "bias": bias, "dtype": str(dtype),
+           "packed": packed, "version": FUSION_PROBE_VERSION}
+    return calibration.recorded("fusion_is_exact", key,
+                                lambda: probe_fusion(kind, in_features, out_features, bias, dtype, packed),
+                                parse=parse, check=check)
+
+
+@torch.no_grad()
+def probe_fusion(kind: str, in_features: int, out_features: tuple[int, ...], bias: bool,
+                 dtype: torch.dtype = torch.bfloat16, packed: bool = False, rows: tuple[int, ...] | None = None) -> bool:
     """Whether one `kind` product over weights of these shapes stacked gives, bit for bit, each one's own product,
     for every row count of PROBE_ROWS (narrow: 1..narrow.MAX_ROWS, in `dtype`, the weights' own, and with `packed`
-    the products of oneDNN-packed copies too, at PACKED_PROBE_ROWS; random weights from a generator of its own;
-    probed once per shape)."""
+    the products of oneDNN-packed copies too, at PACKED_PROBE_ROWS; random weights from a generator of its own);
+    `rows`: at those row counts alone."""
     generator = torch.Generator().manual_seed(0)
     total = sum(out_features)
     if kind == "narrow":
@@ -249,14 +276,14 @@ def fusion_is_exact(kind: str, in_features: int, out_features: tuple[int, ...], 
         if not all(torch.equal(torch.cat([narrow_product(x[:n], w, b, ()) for w, b in
                                           zip(weights.split(out_features), biases)], -1),
                                narrow_product(x[:n], weights, stacked_bias, ()))
-                   for n in range(1, NARROW_MAX_ROWS + 1)):
+                   for n in rows or range(1, NARROW_MAX_ROWS + 1)):
             return False
         if not packed:
             return True
         alone = [reorder_weight(w.contiguous()) for w in weights.split(out_features)]
         together = reorder_weight(weights)
         return all(torch.equal(torch.cat([packed_product(x[:n], w, b) for w, b in zip(alone, biases)], -1),
-                               packed_product(x[:n], together, stacked_bias)) for n in PACKED_PROBE_ROWS)
+                               packed_product(x[:n], together, stacked_bias)) for n in rows or PACKED_PROBE_ROWS)
     biases = torch.randn(total, generator=generator).to(torch.bfloat16) if bias else None
     x = torch.randn(max(PROBE_ROWS), in_features, generator=generator).to(torch.bfloat16)
     if kind == "packed":
@@ -284,4 +311,4 @@ def fusion_is_exact(kind: str, in_features: int, out_features: tuple[int, ...], 
             return (own + biases, together + biases) if bias else (own, together)
     else:
         return False
-    return all(torch.equal(*products(n)) for n in PROBE_ROWS)
+    return all(torch.equal(*products(n)) for n in rows or PROBE_ROWS)
