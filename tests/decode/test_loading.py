@@ -34,8 +34,13 @@ def test_released_checkpoint_layout_loads_with_stock_classes(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     config["auto_map"] = {"AutoModelForCausalLM": "modeling_qwen3_refusion.Qwen3ForCausalLM"}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    loaded, _ = refusion.load(tmp_path, dtype=torch.float32, device="cpu")
-    assert type(loaded).__name__ == "Qwen3ForCausalLM" and loaded.config.mask_token_id == TINY_MASK_ID
+    stock, _ = refusion.load(tmp_path, dtype=torch.float32, device="cpu", implementation="transformers")
+    assert type(stock).__name__ == "Qwen3ForCausalLM" and stock.config.mask_token_id == TINY_MASK_ID
+    own, _ = refusion.load(tmp_path, dtype=torch.float32, device="cpu")  # refusion's definition: no remote code
+    assert type(own).__module__ == "refusion.model.definition" and own.config.mask_token_id == TINY_MASK_ID
+    ids = torch.tensor([[1, 5, 7, 9, TINY_MASK_ID, 11]])
+    with torch.no_grad():
+        assert torch.equal(own(ids).logits, stock(ids).logits)
 
 
 def test_offline_hub_id_and_missing_paths_give_clear_errors(monkeypatch):
