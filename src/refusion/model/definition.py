@@ -511,7 +511,8 @@ def _prepared(attention_mask) -> bool:
 
 
 class CausalLM(nn.Module):
-    """A decoder and its LM head (transformers' `*ForCausalLM`, the same modules and state-dict keys)."""
+    """A decoder and its LM head (transformers' `*ForCausalLM`, the same modules and state-dict keys). Built to be
+    loaded (`load_model` builds it on the meta device and reads every weight): its weights are not initialised."""
 
     def __init__(self, config: DecoderConfig):
         super().__init__()
