@@ -58,7 +58,8 @@ def main() -> None:
     eos = list(refusion.setup_of(model).special_tokens.eos_token_ids)
     plain = {}  # the base model (the embedded model's AR weights: its adapter acts on masks alone) as transformers
     for dtype in (torch.bfloat16, torch.float32):  # runs it: nn.Linear products, sdpa attention
-        plain[dtype], _ = refusion.load("smollm2", dtype=dtype, attn_implementation="sdpa", linear="plain")
+        plain[dtype], _ = refusion.load("smollm2", dtype=dtype, attn_implementation="sdpa", linear="plain",
+                                        implementation="transformers")  # its `generate`
     engines = {"refusion_exact": refusion_generate(model, preset),
                "refusion_ar": refusion_generate(model, preset.for_strategy("autoregressive")),
                "transformers_bf16": transformers_generate(plain[torch.bfloat16], eos),

@@ -76,7 +76,8 @@ def main(argv=None) -> int:
         with gzip.open(path, "rt", encoding="utf-8") as f:
             excluded.update((r["origin"], r["query"]) for r in map(json.loads, f))
     prompts = [key for key in prompts if key not in excluded]
-    model, tokenizer = refusion.load(args.model, dtype="float32", device=args.device)
+    model, tokenizer = refusion.load(args.model, dtype="float32", device=args.device,
+                                     implementation="transformers")  # its batched `generate`
     eos = list(setup_of(model).special_tokens.eos_token_ids)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     ids = encode_prompts(tokenizer, [query for _, query in prompts])

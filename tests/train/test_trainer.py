@@ -235,7 +235,8 @@ def test_mask_gated_adapter_keeps_the_base_ar_path_and_drafts_with_the_adapter(t
         from refusion.model.kernels.narrow import MAX_ROWS
         from refusion.model.prepare import add_mask_token
 
-        trained_base, trained_tokenizer = refusion.load(tiny_dir, dtype="float32", device="cpu")
+        trained_base, trained_tokenizer = refusion.load(tiny_dir, dtype="float32", device="cpu",
+                                                        implementation="transformers")  # peft wraps it
         add_mask_token(trained_base, trained_tokenizer)
         trained = PeftModel.from_pretrained(trained_base, str(run / "adapter"))
         gate_lora_at_masks(trained, mask)

@@ -139,10 +139,11 @@ def _warn_config_changes(accelerator, record: dict, config: TrainConfig) -> None
 
 def load_model_and_tokenizer(name: str):
     """fp32 causal LM and tokenizer on the CPU (accelerate places it): an HF directory, hub id, .gguf file
-    (dequantized) or alias such as "smollm2", through `refusion.load`."""
+    (dequantized) or alias such as "smollm2", through `refusion.load`, built by transformers (peft wraps it,
+    accelerate shards it, `save_pretrained` writes it)."""
     from refusion.model.loading import load
 
-    return load(name, dtype=torch.float32, device="cpu")
+    return load(name, dtype=torch.float32, device="cpu", implementation="transformers")
 
 
 def apply_lora(model, config: TrainConfig, mask_token_id: int):
