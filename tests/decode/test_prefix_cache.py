@@ -180,18 +180,22 @@ def test_reused_prefixes_give_the_fresh_answers_bit_for_bit_where_rows_are_exact
         assert seq.response() == answer[0] and [lp.logprob for lp in seq.response_logprobs()] == logprob[0]
 
 
+@pytest.mark.parametrize("exact", [True, False], ids=["row-exact", "fp32"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_a_chat_turn_reuses_the_conversation_it_resends(strategy, row_exact_model):
-    model, setup = row_exact_model
-    cfg = config(strategy)
+def test_a_chat_turn_reuses_the_conversation_it_resends(strategy, exact, row_exact_model):
+    """Each turn finds the last turn's prompt, and its answer where kept; the answers are the fresh ones (their
+    logprobs too, bit for bit, where rows are exact; in fp32 the same tokens)."""
+    model, setup = row_exact_model if exact else (tiny_model("qwen3", dtype=torch.float32, seed=2), None)
+    cfg = config(strategy) if exact else config(strategy).replace(logprobs=None)
     cache = PrefixCache(10**8)
-    conversation, previous = [5, 9, 11, 4, 7, 30, 31, 32] * 3, 0  # previous: the last turn's prompt length
+    conversation, previous = [5, 9, 11, 4, 7, 30, 31, 32] * 3, 0  # previous: the last turn's entries kept
     for turn in range(3):
         answer, logprobs, cached = decode(model, [conversation], cfg, cache, setup)
         fresh = decode(model, [conversation], cfg, setup=setup)
         assert (answer, logprobs) == fresh[:2]
-        assert cached[0] == previous // 16 * 16  # every whole block of the last turn's prompt
-        previous = len(conversation)
+        assert cached[0] == previous // 16 * 16  # every whole block the last turn kept
+        # its prompt's entries, and where they are a prefill's, its answer's (but the last token's: never computed)
+        previous = len(conversation) + (len(answer[0]) - 1 if strategy != "refusion" else 0)
         conversation = conversation + answer[0] + [3, 12 + turn, 2]
 
 

@@ -20,7 +20,8 @@ from refusion.decode.costs import draft_counts, forward_costs_of
 from refusion.decode.forward import CachedForward, padded_inputs
 from refusion.decode.grammar import ResponseGrammar, check_strategy
 from refusion.decode.outputs import BatchStats, GenerationOutput, GenerationStats, RoundTrace
-from refusion.decode.prefix_cache import PrefixCache, inexact_reason, model_dtype, namespace_of, narrowed
+from refusion.decode.prefix_cache import (ANSWER_STRATEGIES, PrefixCache, inexact_reason, model_dtype, namespace_of,
+                                          narrowed)
 from refusion.decode.programs import start_program
 from refusion.decode.sampling import PositionNoise
 from refusion.decode.sequence import DraftOffer, Forward, Program, Sequence
@@ -120,6 +121,20 @@ class Decoder:
                 dtype = model_dtype(self.model)
                 self.prefix_cache.store(self._namespace, prompt, start, narrowed(keys, dtype), narrowed(values, dtype))
 
+    def _store_answers(self, finished: list[Sequence]) -> None:
+        """The prefix cache also keeps the whole blocks of a finished answer (after its prompt's), where its entries
+        are what a prefill of it computes (`prefix_cache.ANSWER_STRATEGIES`): a chat's next turn, which resends the
+        conversation, then prefills only its new message."""
+        for seq in finished:
+            if seq.cfg.strategy not in ANSWER_STRATEGIES:
+                continue
+            text = seq.context_tokens(self.cache.committed[seq.id])
+            start, stop = self.prefix_cache.unstored(self._namespace, text)
+            if start < stop:
+                keys, values = self.cache.context_entries(seq.id, start, stop)
+                dtype = model_dtype(self.model)
+                self.prefix_cache.store(self._namespace, text, start, narrowed(keys, dtype), narrowed(values, dtype))
+
     def _forward_costs(self, cfg: DecodeConfig):
         """What prices a sequence's drafts (`decode.costs.forward_costs_of`: recorded once per machine and model);
         None in AR decoding, which drafts nothing."""
@@ -169,6 +184,8 @@ class Decoder:
             seq.finished = True
             seq.stats.seconds = time.perf_counter() - seq.started
         self.stats.tokens += sum(seq.stats.tokens for seq in finished)
+        if self.prefix_cache is not None:
+            self._store_answers(finished)
         self.cache.remove_sequences([s.id for s in finished])
         self.drop_failed(failed, on_error)
         return finished

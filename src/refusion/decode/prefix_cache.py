@@ -5,8 +5,10 @@ Prompts are cut into blocks of `BLOCK_TOKENS` tokens from their first token. A b
 and its own tokens, so it stands for the whole prefix up to its end (vLLM chains block hashes the same way; here the
 dictionary compares the tokens themselves, so no hash collision can return another prefix's entries). Chains start
 at a root of their own for each model and dtype (`Namespace`). What is stored is a prompt's prefill output: the KV
-entries of its whole blocks, after its first forward (never a response's: plan and infill's entries are computed
-against drafts). A lookup leaves at least the prompt's last token to the prefill, whose logits start the answer.
+entries of its whole blocks, after its first forward; and when an answer of AR decoding or the exact mode finishes,
+the whole blocks of prompt and answer together (`ANSWER_STRATEGIES`; never plan and infill's, whose entries are
+computed against drafts), so that a chat's next turn, which resends the answer, finds it. A lookup leaves at least
+the prompt's last token to the prefill, whose logits start the answer.
 
 Blocks are evicted least recently used first, under a byte budget. A lookup or a store touches a chain from its
 last block back to its first, so a block is always used more recently than its children: eviction takes leaves,
@@ -26,6 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
+ANSWER_STRATEGIES = ("autoregressive", "speculative")
+"""Strategies whose answers' entries are kept too: each committed token's entry is computed over the context before
+it alone, as a prefill row computes it (AR decoding's; the exact mode's accepted drafts, verified in the chain).
+Plan and infill's entries are computed beside drafts that were then changed: only its prompts' are kept."""
 BLOCK_TOKENS = 16
 """Tokens per block: prefixes are reused in whole blocks (vLLM's default block size)."""
 

@@ -190,6 +190,14 @@ class Sequence:
         order = torch.argsort(positions)
         return tokens[order], positions[order]
 
+    def context_tokens(self, count: int) -> list[int]:
+        """The first `count` tokens of the context in position order (the prompt, then the response): those whose KV
+        entries are in the cache, where the program commits position after position (AR decoding, the exact mode)."""
+        tokens, positions = self._committed_in_order()
+        if positions.numel() < count or (count and int(positions[count - 1]) != count - 1):
+            raise RuntimeError(f"the context's first {count} positions are not all committed")
+        return tokens[:count].tolist()
+
     def _as_response(self, tokens: torch.Tensor) -> list[int]:
         """Response tokens cut after the first EOS and at max_new_tokens."""
         return tokens[cut_after_first_eos(self.is_eos(tokens))][: self.cfg.max_new_tokens].tolist()
