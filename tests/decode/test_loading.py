@@ -43,6 +43,23 @@ def test_released_checkpoint_layout_loads_with_stock_classes(tmp_path):
         assert torch.equal(own(ids).logits, stock(ids).logits)
 
 
+def test_a_tokenizer_refusion_cannot_read_comes_from_transformers_beside_the_own_model(tmp_path, monkeypatch):
+    """A model-specific tokenizer class (Qwen's) is transformers' to build; the model is still refusion's."""
+    from transformers import PreTrainedTokenizerBase
+
+    from refusion.model import tokenizer as own_tokenizer
+
+    tiny_model("llama").save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    monkeypatch.setattr(own_tokenizer, "supports", lambda directory: "a model-specific tokenizer class")
+    model, tokenizer = refusion.load(tmp_path, dtype=torch.float32, device="cpu")
+    assert type(model).__module__ == "refusion.model.definition" and isinstance(tokenizer, PreTrainedTokenizerBase)
+    with pytest.raises(ValueError, match="implementation='refusion' cannot load .*: model_type 'gpt2'"):
+        config = json.loads((tmp_path / "config.json").read_text())
+        (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+        refusion.load(tmp_path, dtype=torch.float32, device="cpu", implementation="refusion")
+
+
 def test_offline_hub_id_and_missing_paths_give_clear_errors(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match="not in the local Hugging Face cache, and the hub cannot be reached"):

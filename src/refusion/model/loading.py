@@ -150,12 +150,13 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
             `refusion.model.kernels.int4`) (`refusion.model.setup.prepare`).
         compile: decode through `torch.compile` over fixed shapes (CUDA graphs on a GPU: `refusion.model.compiled`);
             each width's first forward compiles. Off by default (docs/DECODING.md, "Compiled forwards").
-        implementation: whose code builds the model and tokenizer: "auto" (refusion's own model definition and
-            tokenizer, `refusion.model.definition` and `refusion.model.tokenizer`, where both read the directory:
-            a Llama, Mistral, Qwen2 or Qwen3 safetensors checkpoint with a tokenizer.json, the embedded model's
-            cache among them; transformers elsewhere), "refusion" (those, or a one-line error saying why not) or
-            "transformers". Both give the same logits bit for bit; refusion's own import no transformers code, which
-            takes seconds to import. GGUF files, merged adapters and hub ids are built by transformers.
+        implementation: whose code builds the model: "auto" (refusion's own model definition,
+            `refusion.model.definition`, where it reads the directory: a Llama, Mistral, Qwen2 or Qwen3 safetensors
+            checkpoint, the embedded model's cache among them, with refusion's own tokenizer where it reads the
+            directory's, `refusion.model.tokenizer`; transformers elsewhere), "refusion" (the definition, or a
+            one-line error saying why not) or "transformers". Both give the same logits bit for bit; refusion's own
+            import no transformers modeling code, which takes seconds to import. GGUF files, merged adapters and
+            hub ids are built by transformers.
 
     The loaded model is prepared (`refusion.model.setup.prepare`): on a CPU with native bf16 (AMX, AVX512-BF16),
     bf16 linear layers multiply by weights packed once (`refusion.model.kernels.row_exact`); elsewhere on a CPU where it
@@ -213,12 +214,12 @@ def _load_or_build(source: Source, dtype: torch.dtype, attn_implementation: str,
 
 
 def _own_code_loads(directory: Path | None, implementation: str, reason: str | None = None) -> bool:
-    """Whether refusion's own model definition and tokenizer load `directory` (see `load`'s `implementation`);
-    with implementation "refusion", a one-line ValueError saying why they cannot."""
+    """Whether refusion's own model definition loads `directory` (see `load`'s `implementation`); with
+    implementation "refusion", a one-line ValueError saying why it cannot."""
     if implementation == "transformers":
         return False
     if reason is None:
-        from refusion.model import definition, tokenizer
+        from refusion.model import definition
 
         config = directory / "config.json"
         try:
@@ -229,7 +230,6 @@ def _own_code_loads(directory: Path | None, implementation: str, reason: str | N
             reason = definition.supports(values) if isinstance(values, dict) else f"{config} is not an object"
         if reason is None and not any((directory / name).is_file() for name in SAFETENSORS_FILES):
             reason = "its weights are not in safetensors files"
-        reason = reason or tokenizer.supports(directory)
     if reason is not None and implementation == "refusion":
         raise ValueError(f"implementation='refusion' cannot load {directory or 'this model'}: {reason} "
                          "(implementation='auto' loads it with transformers)")
@@ -237,11 +237,17 @@ def _own_code_loads(directory: Path | None, implementation: str, reason: str | N
 
 
 def _load_own(directory: Path, dtype: torch.dtype, attn_implementation: str):
-    """(model, tokenizer) by refusion's own model definition and tokenizer."""
+    """(model, tokenizer) by refusion's own model definition, and its own tokenizer where that reads the directory
+    (`tokenizer.supports`: a model-specific tokenizer class, Qwen's among them, is transformers' to build)."""
+    from refusion.model import tokenizer
     from refusion.model.definition import load_model
-    from refusion.model.tokenizer import load_tokenizer
 
-    return load_model(directory, dtype, attn_implementation), load_tokenizer(directory)
+    model = load_model(directory, dtype, attn_implementation)
+    if tokenizer.supports(directory) is None:
+        return model, tokenizer.load_tokenizer(directory)
+    from transformers import AutoTokenizer
+
+    return model, AutoTokenizer.from_pretrained(directory)
 
 
 def _build(source: Source, dtype: torch.dtype, attn_implementation: str):
