@@ -138,7 +138,10 @@ def read_init_kwargs(directory: str | os.PathLike) -> dict[str, Any]:
         model_specific.update(init_kwargs.pop("extra_special_tokens"))
     if model_specific:
         init_kwargs["model_specific_special_tokens"] = model_specific
-    init_kwargs.update(name_or_path=name_or_path, is_local=True, local_files_only=False)
+    from huggingface_hub.constants import is_offline_mode  # (light: the hub's settings, no client)
+
+    # transformers records offline mode (HF_HUB_OFFLINE) as local_files_only, which `save_pretrained` writes
+    init_kwargs.update(name_or_path=name_or_path, is_local=True, local_files_only=is_offline_mode())
     # 3. added tokens: the config's, else (older directories) the legacy files and tokenizer.json's
     added_tokens_decoder, added_tokens_map = _added_tokens(directory, init_kwargs)
     init_kwargs["added_tokens_decoder"] = added_tokens_decoder
