@@ -54,6 +54,8 @@ import os
 
 import torch
 
+from refusion.model.kernels.row_exact import ADDITIVE_MASK_ATTENTION
+
 CHECK_ENV = "REFUSION_CHECK_CACHE"
 """Set to 1 to check the cache's invariant on every commit on any device (always on the CPU)."""
 
@@ -74,8 +76,6 @@ def cache_keyword(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-ADDITIVE_MASK_ATTENTION = ("eager", "refusion_exact")
-"""Attention implementations that take additive float masks (sdpa takes boolean ones)."""
 
 
 def attention_mask_dtype(model) -> torch.dtype | None:

@@ -20,8 +20,14 @@ from refusion.decode.costs import draft_counts, forward_costs_of
 from refusion.decode.forward import CachedForward, padded_inputs
 from refusion.decode.grammar import ResponseGrammar, check_strategy
 from refusion.decode.outputs import BatchStats, GenerationOutput, GenerationStats, RoundTrace
-from refusion.decode.prefix_cache import (ANSWER_STRATEGIES, PrefixCache, inexact_reason, model_dtype, namespace_of,
-                                          narrowed)
+from refusion.decode.prefix_cache import (
+    ANSWER_STRATEGIES,
+    PrefixCache,
+    inexact_reason,
+    model_dtype,
+    namespace_of,
+    narrowed,
+)
 from refusion.decode.programs import start_program
 from refusion.decode.sampling import PositionNoise
 from refusion.decode.sequence import DraftOffer, Forward, Program, Sequence
@@ -115,11 +121,7 @@ class Decoder:
             if prompt is None or self.cache.committed[seq_id] < len(prompt):
                 continue
             running.unstored_prompt = None
-            start, stop = self.prefix_cache.unstored(self._namespace, prompt)
-            if start < stop:
-                keys, values = self.cache.context_entries(seq_id, start, stop)
-                dtype = model_dtype(self.model)
-                self.prefix_cache.store(self._namespace, prompt, start, narrowed(keys, dtype), narrowed(values, dtype))
+            self._store_context(seq_id, prompt)
 
     def _store_answers(self, finished: list[Sequence]) -> None:
         """The prefix cache also keeps the whole blocks of a finished answer (after its prompt's), where its entries
@@ -128,12 +130,16 @@ class Decoder:
         for seq in finished:
             if seq.cfg.strategy not in ANSWER_STRATEGIES:
                 continue
-            text = seq.context_tokens(self.cache.committed[seq.id])
-            start, stop = self.prefix_cache.unstored(self._namespace, text)
-            if start < stop:
-                keys, values = self.cache.context_entries(seq.id, start, stop)
-                dtype = model_dtype(self.model)
-                self.prefix_cache.store(self._namespace, text, start, narrowed(keys, dtype), narrowed(values, dtype))
+            self._store_context(seq.id, seq.context_tokens(self.cache.committed[seq.id]))
+
+    def _store_context(self, seq_id: int, text: list[int]) -> None:
+        """The prefix cache keeps the whole blocks of `text` (the first tokens of the sequence's context) that it
+        does not hold yet, from the sequence's context entries."""
+        start, stop = self.prefix_cache.unstored(self._namespace, text)
+        if start < stop:
+            keys, values = self.cache.context_entries(seq_id, start, stop)
+            dtype = model_dtype(self.model)
+            self.prefix_cache.store(self._namespace, text, start, narrowed(keys, dtype), narrowed(values, dtype))
 
     def _forward_costs(self, cfg: DecodeConfig):
         """What prices a sequence's drafts (`decode.costs.forward_costs_of`: recorded once per machine and model);

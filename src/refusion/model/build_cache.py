@@ -13,8 +13,9 @@ result back from safetensors takes well under a second. So the first `refusion.l
   the recorded size and SHA-256. A file that still has the size and modification time recorded when it was
   written is not hashed again (any write to it changes its modification time; hashing the weights took ~1 s of
   each cold start); one whose time differs (copied, touched, rewritten) is hashed and compared. Anything else
-  (truncated or changed file, missing manifest, an entry that fails to load) is rebuilt. Entries are written into a temporary directory and renamed into place, so a crashed or
-  concurrent build never leaves a half-written entry under the entry's name.
+  (truncated or changed file, missing manifest, an entry that fails to load) is rebuilt. Entries are written into
+  a temporary directory and renamed into place, so a crashed or concurrent build never leaves a half-written entry
+  under the entry's name.
 """
 
 from __future__ import annotations
@@ -138,9 +139,8 @@ def _store(entry: Path, inputs: dict, key: dict, built: tuple, save: Callable[[t
         return
     try:
         save(built, tmp)
-        files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns,
-                                           "sha256": sha256_file(p)}
-                 for p in sorted(tmp.rglob("*")) if p.is_file()}
+        files = {str(p.relative_to(tmp)): {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256_file(p)}
+                 for p in sorted(tmp.rglob("*")) if p.is_file() and (stat := p.stat())}
         manifest = {"format": FORMAT, "inputs": inputs, "key": key, "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         if entry.exists():

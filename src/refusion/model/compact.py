@@ -204,7 +204,7 @@ def attention_function(model):
         return family.eager_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    return ALL_ATTENTION_FUNCTIONS[name] if name in ALL_ATTENTION_FUNCTIONS else None
+    return ALL_ATTENTION_FUNCTIONS.get(name)
 
 
 def linear_kernels(layers: nn.ModuleList) -> list[tuple]:

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from refusion.model.kernels.row_exact import EXACT_ATTENTION, exact_attention
+from refusion.model.kernels.row_exact import ADDITIVE_MASK_ATTENTION, EXACT_ATTENTION, exact_attention
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 """The `model_type`s this module defines."""
@@ -260,8 +260,6 @@ def _pack_gqa(hidden_states: torch.Tensor | None, n_rep: int) -> torch.Tensor | 
 ATTENTION_FUNCTIONS = {"eager": eager_attention_forward, "sdpa": sdpa_attention_forward,
                        EXACT_ATTENTION: exact_attention}
 """The attention function of each `_attn_implementation` this definition runs (`model.compact` reads it too)."""
-ADDITIVE_MASKS = ("eager", EXACT_ATTENTION)
-"""Implementations that take additive float masks (sdpa takes boolean ones)."""
 
 
 def causal_mask(attention: str, inputs: torch.Tensor, padding: torch.Tensor | None, past: int | None,
@@ -291,7 +289,7 @@ def causal_mask(attention: str, inputs: torch.Tensor, padding: torch.Tensor | No
     if padding is not None:
         seen = seen & padding[:, None, None, :]  # [B, 1, T, L]
     seen = seen.expand(batch, -1, q_length, kv_length)
-    if attention not in ADDITIVE_MASKS:
+    if attention not in ADDITIVE_MASK_ATTENTION:
         return seen
     return torch.where(seen, torch.zeros((), device=device, dtype=inputs.dtype), torch.finfo(inputs.dtype).min)
 
@@ -572,7 +570,6 @@ class CausalLM(nn.Module):
         if not self.config.tie_word_embeddings:
             head = self.lm_head
             head.weight = nn.Parameter(_resized(head.weight, new_num_tokens, self.config.initializer_range))
-            head.out_features = new_num_tokens
         self.tie_weights()
         self.lm_head.out_features = new_num_tokens
         self.config.vocab_size = self.vocab_size = self.model.vocab_size = new_num_tokens

@@ -169,7 +169,7 @@ class DraftTable:
         if index is not None:
             return DraftTable(orders, min_confidence, index, RunnerUps(index) if len(parts[0]) == 4 else {})
         table, runner_ups = {}, {}
-        for order, (runs, followers, frequencies, *seconds) in zip(orders, parts):
+        for runs, followers, frequencies, *seconds in parts:
             runs = list(zip(*runs.T.tolist()))  # each run as a tuple, made by zip from the columns: 3x faster than rows
             followers = followers.tolist()
             table.update(zip(runs, zip(followers, frequencies.tolist())))
@@ -212,12 +212,12 @@ class RunIndex(Mapping):
         key would not fit 63 bits (a vocabulary too large for the longest run: the caller builds dicts)."""
         import torch
 
-        radix = 1 + max((int(runs.to(torch.int64).max()) for runs, *_ in parts if runs.numel()), default=0)
+        runs_of = [runs.to(torch.int64) for runs, *_ in parts]
+        radix = 1 + max((int(runs.max()) for runs in runs_of if runs.numel()), default=0)
         if radix ** max(orders) >= 2**63:
             return None
         built = {}
-        for order, (runs, followers, frequencies, *seconds) in zip(orders, parts):
-            runs = runs.to(torch.int64)
+        for order, runs, (_, followers, frequencies, *seconds) in zip(orders, runs_of, parts):
             keys = torch.zeros(runs.shape[0], dtype=torch.int64)
             for column in range(order):
                 keys = keys * radix + runs[:, column]
@@ -288,7 +288,7 @@ class RunnerUps(Mapping):
 
     def __iter__(self) -> Iterator[tuple[int, ...]]:
         for part in self.index.parts.values():
-            for run, row in zip(map(tuple, part.runs.tolist()), range(len(part.keys))):
+            for row, run in enumerate(map(tuple, part.runs.tolist())):
                 if part.runner_ups[row] != part.followers[row]:
                     yield run
 

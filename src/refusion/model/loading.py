@@ -23,8 +23,12 @@ from refusion.hub import hub_reachable
 from refusion.model import build_cache, embedded
 from refusion.model.adapter import adapter_base, adapter_gate, is_adapter_dir
 from refusion.model.kernels.registry import check_linear
-from refusion.model.kernels.row_exact import (EXACT_ATTENTION, packed_rows_match, packing_available,
-                                              register_with_transformers)
+from refusion.model.kernels.row_exact import (
+    EXACT_ATTENTION,
+    packed_rows_match,
+    packing_available,
+    register_with_transformers,
+)
 from refusion.model.setup import prepare
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -191,7 +191,7 @@ def native_layers(compact) -> NativeLayers | None:
         return None
     if any(p.device.type != "cpu" for p in layers.parameters()):  # a GPU's step is its kernels, not Python
         return None
-    if attention == "sdpa" and not own_definition(compact) and not sdpa_as_on_a_cpu():
+    if attention == "sdpa" and not runs_own_sdpa(compact) and not sdpa_as_on_a_cpu():
         return None
     if not layers_supported(layers):
         return None
@@ -211,10 +211,12 @@ def layers_supported(layers: nn.ModuleList) -> bool:
     return True
 
 
-def own_definition(compact) -> bool:
-    """Whether the compact forward runs refusion's own model definition (`model.definition`), whose sdpa function is
+def runs_own_sdpa(compact) -> bool:
+    """Whether the compact forward calls the sdpa function of refusion's own model definition (`model.definition`):
     the CPU branch of transformers' that the C++ layers mirror, whatever transformers would choose."""
-    return type(compact.layers[0]).__module__ == "refusion.model.definition"
+    from refusion.model.definition import sdpa_attention_forward
+
+    return compact.attention is sdpa_attention_forward
 
 
 def sdpa_as_on_a_cpu() -> bool:

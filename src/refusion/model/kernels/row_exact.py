@@ -272,6 +272,8 @@ def use_packed_linears(model: nn.Module) -> int:
 
 EXACT_ATTENTION = "refusion_exact"
 """The attention implementation name `exact_attention` is registered under with transformers."""
+ADDITIVE_MASK_ATTENTION = ("eager", EXACT_ATTENTION)
+"""Attention implementations that take additive float masks (sdpa takes boolean ones)."""
 
 
 SOFTMAX_COLUMNS = 64
