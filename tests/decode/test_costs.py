@@ -117,11 +117,27 @@ def test_a_longer_layout_and_a_larger_batch_than_the_probe_s_pay_for_their_atten
     assert draft_counts([(1, chain)], [1, 1, 1], cheap, columns=1000) == [0]  # 6.9 tokens for 2.78 / 4 for 1.38
 
 
+def test_where_attention_runs_row_by_row_only_the_real_queries_pay_for_the_layout():
+    """With `split_attention` (the compact forward's sdpa on a CPU), a forward that `compact.splits_attention` splits
+    pays the per-column attention for its real rows alone: a 143-token prefill beside three one-token steps over
+    1,500 columns pays for 146 queries, not 572; one that does not split (one-token steps) pays as before."""
+    timed = ForwardCosts((1, 64), (1.0, 1.5), padded_row=0.1, masking=0.2, attention=0.001, probe_context=100,
+                         probe_batch=4)
+    split = replace(timed, split_attention=True)
+    padded = timed.of_batch(146, 4, 143, columns=1500)
+    assert split.of_batch(146, 4, 143, columns=1500) == pytest.approx(padded - 0.001 * (572 - 146) * 1400)
+    assert split.of_batch(4, 4, 1, columns=1500) == timed.of_batch(4, 4, 1, columns=1500)
+    assert ForwardCosts.from_dict(split.to_dict()) == split
+    with pytest.raises(ValueError, match="true or false"):
+        ForwardCosts.from_dict({**split.to_dict(), "split_attention": 1})
+
+
 def test_the_probe_prices_a_padding_row_of_a_batch():
     model = tiny_model("llama")
     costs = measure(model, plain_setup(model), widths=(1, 4, 16), repeats=2)
     assert costs.padded_row >= 0 and costs.masking >= 0 and ForwardCosts.from_dict(costs.to_dict()) == costs
     assert (costs.probe_context, costs.probe_batch) == (128, 4)  # the layout the extras were timed on
+    assert costs.split_attention  # the tiny model's compact forward runs sdpa on the CPU
 
 
 def test_measured_costs_are_one_per_probed_width_and_never_fall_with_width():

@@ -7,7 +7,7 @@ import torch
 
 import refusion
 from refusion.decode.cache import PADDING, SlotCache, attention_mask_dtype, attention_windows, cache_keyword
-from refusion.model.compact import CompactForward, Ragged, compact_forward
+from refusion.model.compact import CompactForward, Ragged, compact_forward, splits_attention
 from refusion.model.kernels import narrow
 from refusion.model.kernels.row_exact import EXACT_ATTENTION, packing_available, use_packed_linears
 from refusion.model.setup import setup_of
@@ -49,10 +49,10 @@ def forwards(model, run, kv_dtype: torch.dtype | None = None) -> list[torch.Tens
     return out
 
 
-def real_rows(model, run, ragged: bool, kv_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+def real_rows(model, run, ragged: bool, kv_dtype: torch.dtype | None = None, split: bool = False) -> list[torch.Tensor]:
     """The logits of every real token of the STEPS forwards and a third, padded one (a token and a mask beside one
-    token), each forward run padded or (`ragged`) over its real rows alone (`Ragged`): one [tokens, V] tensor per row
-    and forward."""
+    token), each forward run padded or (`ragged`) over its real rows alone (`Ragged`; `split`: attention row by row
+    too): one [tokens, V] tensor per row and forward."""
     cache, out = two_rows(model, kv_dtype), []
     third = (torch.tensor([[21, 63], [0, 22]]), torch.tensor([[8, 9], [0, 6]]), torch.tensor([[2, 3], [PADDING, 2]]))
     for ids, positions, groups in [*STEPS, third]:
@@ -61,7 +61,8 @@ def real_rows(model, run, ragged: bool, kv_dtype: torch.dtype | None = None) -> 
         mask = cache.begin_forward(groups, positions, counts=counts)
         with torch.inference_mode():
             if ragged and sum(counts) < ids.numel():
-                out += run(ids, positions, mask, cache, width, Ragged.of(counts, counts, width, "cpu"))[0].split(counts)
+                layout = Ragged.of(counts, counts, width, "cpu", split)
+                out += run(ids, positions, mask, cache, width, layout)[0].split(counts)
             else:
                 logits = run(ids, positions, mask, cache, width)
                 out += [logits[b, width - n:] for b, n in enumerate(counts)]
@@ -95,6 +96,58 @@ def test_a_padded_batch_computes_its_real_rows_alone(family):
     for ours, theirs in zip(real_rows(exact, CompactForward(exact, native=False), True, kv_dtype),
                             real_rows(exact, CompactForward(exact, native=False), False, kv_dtype), strict=True):
         assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["python", "native"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_attention_row_by_row_gives_each_real_row_its_attention(family, native):
+    """sdpa run row by row over each row's real queries (`Ragged.split`) gives the logits of the padded call, to
+    fp32 rounding (sdpa's blocks follow a call's query count), in the Python layers and the C++ ones alike."""
+    from refusion.model.kernels.extension import native_available
+
+    if native and not native_available():
+        pytest.skip("the native layers are not built here")
+    model = tiny_model(family, seed=3, attn_implementation="sdpa")
+    run = CompactForward(model, native=native)
+    assert (run.native is not None) == native
+    split = real_rows(model, run, True, split=True)
+    padded = real_rows(model, CompactForward(model, native=False), False)
+    for ours, theirs in zip(split, padded, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+def test_attention_splits_where_padded_queries_cost_more_than_the_extra_calls():
+    """The rule the decoding forward follows (`splits_attention`), on shapes alone: a prefill joining one-token steps
+    over a long cache splits; a batch of one-token steps, or a little padding over a short cache, does not."""
+    assert splits_attention(4, 146, 143, 1500)  # a 143-token prefill beside three one-token steps
+    assert splits_attention(4, 30, 17, 300)  # drafts of 16, 2, 8 and none
+    assert not splits_attention(4, 4, 1, 5000)  # nothing padded
+    assert not splits_attention(1, 143, 143, 1500)  # one row
+    assert not splits_attention(3, 8, 3, 40)  # one padded query over 40 columns: not worth two calls
+
+
+def test_the_decoding_forward_splits_attention_by_the_rule(monkeypatch):
+    """`CachedForward` hands the compact forward a split layout exactly where `splits_attention` says so, and the
+    batch decodes to the same tokens either way (fp32, a tiny model)."""
+    from refusion.decode import forward as forward_module
+
+    model = tiny_model("llama", hidden_size=128, heads=4, kv_heads=2, seed=2, attn_implementation="sdpa")
+    cfg = refusion.DecodeConfig(strategy="autoregressive", max_new_tokens=6, eos_token_id=[])
+    prompts = [[5, 9, 11, 4, 7, 8, 2, 6, 3, 10, 12, 13], [14], [15, 16]]
+    seen = []
+    original = forward_module.Ragged.of
+
+    def recording(counts, needs, width, device, split=False):
+        seen.append((list(counts), width, split))
+        return original(counts, needs, width, device, split)
+
+    monkeypatch.setattr(forward_module.Ragged, "of", staticmethod(recording))
+    unsplit = refusion.generate(model, prompts, cfg).sequences
+    assert seen and not any(split for *_, split in seen)  # 21 padded queries over 12 columns
+    seen.clear()
+    monkeypatch.setattr(forward_module, "splits_attention", lambda batch, rows, width, columns: True)
+    assert refusion.generate(model, prompts, cfg).sequences == unsplit
+    assert seen and all(split for *_, split in seen)
 
 
 def test_a_model_refusion_did_not_prepare_builds_its_forward_once(monkeypatch):

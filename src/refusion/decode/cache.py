@@ -32,7 +32,7 @@ nothing in it reads a Python number that changes from step to step.
 
 Prompt prefixes (`decode.prefix_cache`): `context_entries` copies a sequence's context entries out (its prompt's, once
 prefilled) and `add_context` writes entries computed earlier into a new sequence's row as CONTEXT, in position order
-after every column in use, so they sit before the entries of its first forward as the same prompt's own entries would.
+in its first columns, so they sit before the entries of its first forward as the same prompt's own entries would.
 
 Invariant, checked on every commit: a sequence's CONTEXT entries are exactly its committed tokens. Checking reads
 two counts back to the host; on a GPU, where each read waits for the device, it is off unless `REFUSION_CHECK_CACHE=1`
@@ -419,16 +419,21 @@ class SlotCache:
     def add_context(self, seq_id: int, positions: torch.Tensor, keys: list[torch.Tensor],
                     values: list[torch.Tensor]) -> None:
         """Entries computed earlier join a sequence's context (a prompt prefix the prefix cache held): keys and
-        values per layer [kv_heads, n, head_dim] of the tokens at `positions` [n], in position order, written after
-        every column in use (the sequence's next forward writes after them). No forward may be in flight."""
+        values per layer [kv_heads, n, head_dim] of the tokens at `positions` [n], in position order, before the
+        columns the sequence's next forward writes. A new sequence's row is empty: they go to its first columns,
+        beside the other rows' entries (after every column in use, a batch of long cached prompts would stack
+        them end to end, and every row would attend over all of them until the next compaction); a row that holds
+        entries gets them after every column in use. No forward may be in flight."""
         if self.static:
             raise ValueError("a fixed-shape (compiled) cache takes no entries computed elsewhere")
         assert self._pending_width == 0, "add_context during a forward"
         n = positions.numel()
         self._kv_rows()
-        self._make_room(n)
-        row, cols = self.row_of[seq_id], slice(self.used, self.used + n)
-        self.owner[:, cols] = EMPTY
+        fresh = self.committed[seq_id] == 0 and self._pending_count[seq_id] == 0
+        self._make_room(max(n - self.used, 0) if fresh else n)
+        start = 0 if fresh else self.used
+        row, cols = self.row_of[seq_id], slice(start, start + n)
+        self.owner[:, self.used: start + n] = EMPTY  # the columns it adds to the layout
         self.owner[row, cols] = CONTEXT
         self.pos[row, cols] = positions
         for layer, (key, value) in enumerate(zip(keys, values)):
@@ -436,9 +441,9 @@ class SlotCache:
                 self._allocate(layer, key.shape[0], key.shape[2], value.shape[2], key.dtype)
             self.keys[layer][row, :, cols] = key  # converted to the cache's dtype, as `write` does
             self.values[layer][row, :, cols] = value
-        self.used += n
+        self._holes = self._holes or self.batch_size > 1 or start + n < self.used  # EMPTY beside them
+        self.used = max(self.used, start + n)
         self.committed[seq_id] += n
-        self._holes = self._holes or self.batch_size > 1  # the other rows are EMPTY there
         if self.check_invariants:
             self.check(seq_id)
 

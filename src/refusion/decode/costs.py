@@ -61,14 +61,16 @@ PROBE_CONTEXT = 128
 them, a cost that grows with width (on refusion-smol in row-exact bf16 on an AVX512-BF16 EPYC, a 16-token decoding
 forward costs 1.7x a one-token one, where forwards without a context measured 1.2x: docs/BENCHMARKS.md, Current
 results: *Forward costs with a context*)."""
-PROBE_VERSION = 4
+PROBE_VERSION = 5
 """Part of the record's key: bump when `measure` changes what it reports, so that older records are measured again.
 2: the one-token forward that decides whether to probe at all is timed after an untimed one (a process's first
 forward, which sets its kernels up, took over MAX_PROBE_SECONDS for the embedded model, and None was recorded: no
 draft was ever priced). 3: a one-token forward over MAX_PROBE_SECONDS is timed once more after another untimed one
 before "not priced" is recorded (one slow forward, another process's start beside it, recorded it for good). 4: the
 record names the layout the costs were timed on (`ForwardCosts.probe_context`, `probe_batch`) and what a row pays
-per column beyond it (`attention`, timed over LONG_PROBE_CONTEXT), which a step's cost scales by its own layout."""
+per column beyond it (`attention`, timed over LONG_PROBE_CONTEXT), which a step's cost scales by its own layout.
+5: whether the forward runs attention row by row over a padded batch's real queries (`split_attention`: the
+padding's `padded_row` is then timed with it)."""
 LONG_PROBE_CONTEXT = 512
 """The longer cached context over which a PAD_PROBE_WIDTH-token forward is timed again: what each row pays per column
 beyond PROBE_CONTEXT (`ForwardCosts.attention`), as a batch's rows do over its whole layout."""
@@ -174,7 +176,7 @@ def measure(model, setup, widths: tuple[int, ...] = PROBE_WIDTHS, repeats: int =
     padded_row, masking = batch_extras(run, costs, vocab, repeats, context)
     attention = attention_per_column(run, costs, vocab, repeats, context) if context else 0.0
     return replace(costs, padded_row=padded_row, masking=masking, attention=attention, probe_context=context,
-                   probe_batch=PAD_PROBE_BATCH)
+                   probe_batch=PAD_PROBE_BATCH, split_attention=run.splits_attention)
 
 
 def attention_per_column(run, costs: ForwardCosts, vocab: int, repeats: int = PROBE_REPEATS,

@@ -13,7 +13,7 @@ import time
 import torch
 
 from refusion.decode.cache import PADDING, SlotCache, attention_mask_dtype, attention_windows, cache_keyword
-from refusion.model.compact import Ragged, compact_forward
+from refusion.model.compact import Ragged, compact_forward, splits_attention
 from refusion.model.compiled import run_compiled, static_capacity
 from refusion.model.kernels.row_exact import cache_dtype
 
@@ -36,6 +36,10 @@ class CachedForward:
         # eager forwards of a supported family skip transformers' per-layer Python (the same bits: `model.compact`)
         self.compact = (compact_forward(model, setup.compact_forward) if setup.compact and self.compiled is None
                         else None)
+        self.splits_attention = (self.compact is not None and self.device.type == "cpu"
+                                 and self.compact.attn_implementation == "sdpa")
+        """Whether a padded forward may run attention row by row over the real queries (`compact.splits_attention`
+        decides which): the compact forward on the CPU with sdpa."""
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cache_keyword = cache_keyword(model)
 
@@ -56,14 +60,17 @@ class CachedForward:
         """(each row's logits [needs[b], V] of its last needs[b] tokens, seconds in the model's forward): one
         forward of the [B, W] inputs, right-aligned (`counts`: each row's real tokens; `bucket`: the compiled width
         they were padded to). On the CPU, where a product's cost grows with its rows, the compact forward computes a
-        padded batch's real rows alone (`compact.Ragged`); a GPU computes the padding in the same kernels."""
+        padded batch's real rows alone (`compact.Ragged`), and sdpa over each row's real queries alone where the
+        padding's would cost more than the extra calls (`compact.splits_attention`); a GPU computes the padding in the
+        same kernels."""
         mask = cache.begin_forward(groups, positions, lower_upto, counts)
         keep = max(needs)
         kwargs = {"logits_to_keep": bucket or keep} if self._logits_to_keep else {}  # compiled: fixed
         batch, width = input_ids.shape
         start = time.perf_counter()
         if self.compact is not None and self.device.type == "cpu" and sum(counts) < batch * width:
-            ragged = Ragged.of(counts, needs, width, self.device)
+            split = self.splits_attention and splits_attention(batch, sum(counts), width, cache.used + width)
+            ragged = Ragged.of(counts, needs, width, self.device, split)
             logits = self.compact(input_ids, positions, mask, cache, keep, ragged)[0].split(needs)
         elif self.compact is not None:
             logits = self.compact(input_ids, positions, mask, cache, keep)

@@ -98,6 +98,9 @@ class ForwardCosts:
     probe_batch: int = 0
     """The sequences of the forwards that timed `masking`: a larger batch pays it in proportion (the mask and the
     masked attention are per sequence). 0: not scaled."""
+    split_attention: bool = False
+    """Whether the forward runs attention row by row over the real queries where `compact.splits_attention` says
+    so (the compact forward with sdpa on a CPU): the padding then pays no attention per column."""
 
     def of(self, width: int) -> float:
         """Seconds of a forward of `width` tokens (interpolated between the measured widths)."""
@@ -119,7 +122,13 @@ class ForwardCosts:
         spread = (self.probe_context + beyond) / self.probe_context if self.probe_context else 1.0
         crowd = max(batch / self.probe_batch, 1.0) if self.probe_batch else 1.0
         padding = self.padded_row * max(batch * widest - rows, 0)
-        return (self.of(rows) + padding + self.attention * batch * widest * beyond
+        attending = batch * widest  # queries of attention's padded layout
+        if self.split_attention and masked:
+            from refusion.model.compact import splits_attention
+
+            if splits_attention(batch, rows, widest, max(columns, self.probe_context) + widest):
+                attending = rows
+        return (self.of(rows) + padding + self.attention * attending * beyond
                 + self.masking * masked * spread * crowd)
 
     def describe(self) -> str:
@@ -129,7 +138,7 @@ class ForwardCosts:
     def to_dict(self) -> dict:
         return {"widths": list(self.widths), "seconds": list(self.seconds), "padded_row": self.padded_row,
                 "masking": self.masking, "attention": self.attention, "probe_context": self.probe_context,
-                "probe_batch": self.probe_batch}
+                "probe_batch": self.probe_batch, "split_attention": self.split_attention}
 
     @classmethod
     def from_dict(cls, value: dict) -> ForwardCosts:
@@ -147,13 +156,19 @@ class ForwardCosts:
         return cls(tuple(widths), tuple(seconds), real(value.get("padded_row", 0.0), 0.0),
                    real(value.get("masking", 0.0), 0.0), real(value.get("attention", 0.0), 0.0),
                    whole(value.get("probe_context", 0), 0),
-                   whole(value.get("probe_batch", 0), 0))
+                   whole(value.get("probe_batch", 0), 0), flag(value.get("split_attention", False)))
 
 
 def require(condition: bool, what: str) -> None:
     """A ValueError saying `what` a recorded value should be, unless `condition`: the parsers' one check."""
     if not condition:
         raise ValueError(what)
+
+
+def flag(value) -> bool:
+    """`value` when it is a bool, else a ValueError."""
+    require(type(value) is bool, f"{value!r}: true or false")
+    return value
 
 
 def whole(value, low: int = 0, high: int | None = None) -> int:

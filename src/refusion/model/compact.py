@@ -39,6 +39,24 @@ _last_built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 to keep one: its decoders share this one, so its fused weights are stacked and packed once, not per decode)."""
 
 
+SPLIT_WORK = 1024
+"""Padding queries times attended columns, per extra attention call, from which sdpa runs sequence by sequence over
+each one's real queries instead of once over the padded layout (`splits_attention`). A padded query costs what a real
+one does there: a 143-token prefill joining three one-token steps over ~1,500 columns paid four times its own
+attention (E5, docs/BENCHMARKS.md, *Attention over the real rows*), while an extra call costs about what ~1,000 query
+columns do."""
+
+
+def splits_attention(batch: int, rows: int, width: int, columns: int) -> bool:
+    """Whether a padded forward of `batch` sequences holding `rows` real tokens, padded to `width` each, over
+    `columns` cache columns (its own included), runs sdpa row by row over the real queries alone (`SPLIT_WORK`).
+    Decided on shapes alone, so the same forward splits alike in every process. Only sdpa splits (`CompactForward`): it computes every padded query,
+    where exact attention already skips what a padding query does not see. Splitting keeps each row's attention
+    exactly what it is but may round a row's fp32 sums differently (sdpa's blocks depend on how many queries a call
+    holds), as a different batch width does."""
+    return batch > 1 and (batch * width - rows) * columns >= SPLIT_WORK * (batch - 1)
+
+
 @dataclass(frozen=True)
 class Ragged:
     """Where the real tokens of a padded [B, W] forward are: the compact forward computes those rows alone."""
@@ -51,17 +69,21 @@ class Ragged:
     """[N] the flat indices (into B * W) of the real tokens, sequence by sequence, in order."""
     keep: torch.Tensor
     """[M] the indices (into the N real tokens) of the tokens whose logits are returned, in order."""
+    split: tuple[int, ...] = ()
+    """Each row's real tokens where sdpa runs row by row over them alone (`splits_attention`); (): one call over the
+    padded layout."""
 
     @classmethod
-    def of(cls, counts: list[int], needs: list[int], width: int, device: torch.device) -> Ragged:
+    def of(cls, counts: list[int], needs: list[int], width: int, device: torch.device, split: bool = False) -> Ragged:
         """The layout of a left-padded forward: row b holds counts[b] real tokens at its end and wants the logits
-        of its last needs[b]."""
+        of its last needs[b]. `split`: attention runs row by row (`splits_attention` decides)."""
         real, keep, start = [], [], 0
         for b, (n, need) in enumerate(zip(counts, needs)):
             real.append(torch.arange((b + 1) * width - n, (b + 1) * width))
             keep.append(torch.arange(start + n - need, start + n))
             start += n
-        return cls(len(counts), width, torch.cat(real).to(device), torch.cat(keep).to(device))
+        return cls(len(counts), width, torch.cat(real).to(device), torch.cat(keep).to(device),
+                   tuple(counts) if split else ())
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[B, W, ...] -> [1, N, ...]: the real rows of a padded tensor."""
@@ -143,7 +165,7 @@ class CompactForward:
             query, key, value = fused(hidden)
         else:
             query, key, value = attn.q_proj.forward(hidden), attn.k_proj.forward(hidden), attn.v_proj.forward(hidden)
-        if ragged is not None:  # attention reads the padded layout
+        if ragged is not None:  # attention reads the padded layout (the cache's columns are the batch's)
             query, key, value = ragged.scatter(query), ragged.scatter(key), ragged.scatter(value)
         input_shape = query.shape[:-1]
         hidden_shape = (*input_shape, -1, attn.head_dim)
@@ -156,9 +178,26 @@ class CompactForward:
         query, key = self.rotate(query, key, cos, sin)
         key, value = cache.write(index, key, value)
         kwargs = {"sliding_window": attn.sliding_window} if getattr(attn, "sliding_window", None) else {}
+        if ragged is not None and ragged.split and mask is not None:
+            return attn.o_proj.forward(self._split_attention(attn, query, key, value, mask, ragged, kwargs))
         out, _ = self.attention(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling, **kwargs)
         out = out.reshape(*input_shape, -1).contiguous()
         return attn.o_proj.forward(out if ragged is None else ragged.gather(out))
+
+    def _split_attention(self, attn: nn.Module, query, key, value, mask, ragged: Ragged, kwargs) -> torch.Tensor:
+        """[1, N, H * D]: attention row by row over each row's real (last) queries, what `ragged.gather` takes from
+        the padded call's output (`Ragged.split`)."""
+        parts, width = [], ragged.width
+        for b, n in enumerate(ragged.split):
+            if n == 0:
+                continue
+            rows_mask = mask if mask.shape[0] == 1 else mask[b: b + 1]
+            if rows_mask.shape[2] == width:
+                rows_mask = rows_mask[:, :, width - n:]
+            out, _ = self.attention(attn, query[b: b + 1, :, width - n:], key[b: b + 1], value[b: b + 1], rows_mask,
+                                    dropout=0.0, scaling=attn.scaling, **kwargs)
+            parts.append(out.reshape(1, n, -1))
+        return torch.cat(parts, 1)
 
     @staticmethod
     def _mlp(mlp: nn.Module, hidden: torch.Tensor, fused: FusedProduct | None) -> torch.Tensor:

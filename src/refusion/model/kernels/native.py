@@ -97,10 +97,11 @@ class NativeLayers:
         rows = self.mask_rows
         dense, listed = (rows.dense, rows.rows) if rows is not None else (None, None)
         active = dense is not None and not (listed is not None and listed.numel() == 0)
-        real, batch, width = ((None, hidden.shape[0], hidden.shape[1]) if ragged is None
-                              else (ragged.real, ragged.batch, ragged.width))
+        real, batch, width, split = ((None, hidden.shape[0], hidden.shape[1], ()) if ragged is None
+                                     else (ragged.real, ragged.batch, ragged.width, ragged.split))
         return self.stack.forward(hidden, cos, sin, masks, keys, values, start, active,
-                                  active and rows.gated, active and rows.kernel, dense, listed, real, batch, width)
+                                  active and rows.gated, active and rows.kernel, dense, listed, real, batch, width,
+                                  list(split))
 
     def _build(self):
         """The C++ stack of the layers as their modules stand now (packed and fused weights brought up to date)."""

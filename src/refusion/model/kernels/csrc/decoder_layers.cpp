@@ -822,12 +822,59 @@ Tensor rotary(const Tensor& x, const Tensor& c, const Tensor& s) {
   return (x * c) + (rotate_half(x) * s);
 }
 
+// Where a forward's rows sit in attention's padded [B, T] layout (compact.Ragged): the layers compute the real rows
+// alone, [1, N, ...], and attention scatters them into that layout and gathers them back; `real` unset: the rows
+// are the layout. `split` (compact.Ragged.split): each row's real tokens, where sdpa runs row by row over them alone
+// (the padding's queries skipped); empty: one call over the padded layout
+struct Layout {
+  c10::optional<Tensor> real;  // [N] flat indices into B * T of the real rows
+  int64_t batch, width;
+  std::vector<int64_t> split;
+};
+
+// Ragged.scatter: [1, N, F] -> [B, T, F], zeros at the padding
+Tensor scatter(const Tensor& x, const Layout& l) {
+  if (!l.real) return x;
+  Tensor flat = x.reshape({-1, x.size(-1)});
+  Tensor out = at::zeros({l.batch * l.width, flat.size(1)}, flat.options());
+  return out.index_copy_(0, *l.real, flat).view({l.batch, l.width, flat.size(1)});
+}
+
+// Ragged.gather: [B, T, F] -> [1, N, F]
+Tensor gather(const Tensor& x, const Layout& l) {
+  if (!l.real) return x;
+  return x.reshape({l.batch * l.width, x.size(-1)}).index_select(0, *l.real).unsqueeze(0);
+}
+
+// sdpa_attention of the forward's rows: query [B, H, T, D] over the cache's keys and values up to the forward's end;
+// [1, N, H * D] for the real rows (Layout) or [B, T, H * D]. Split (compact.Ragged.split): row by row over each
+// row's real (last) queries, as compact.CompactForward._split_attention does
+Tensor sdpa_rows(const Tensor& query, const Tensor& keys, const Tensor& values, const c10::optional<Tensor>& mask,
+                 double scaling, int64_t groups, const Layout& l) {
+  int64_t batch = query.size(0), width = query.size(2);
+  if (l.split.empty() || !mask) {
+    return gather(sdpa_attention(query, keys, values, mask, scaling, groups).reshape({batch, width, -1}), l);
+  }
+  std::vector<Tensor> parts;
+  for (int64_t b = 0; b < batch; ++b) {
+    int64_t n = l.split[b];
+    if (n == 0) continue;
+    Tensor rows_mask = mask->size(0) == 1 ? *mask : mask->slice(0, b, b + 1);
+    if (rows_mask.size(2) == width) rows_mask = rows_mask.slice(2, width - n, width);
+    Tensor out = sdpa_attention(query.slice(0, b, b + 1).slice(2, width - n, width), keys.slice(0, b, b + 1),
+                                values.slice(0, b, b + 1), rows_mask, scaling, groups);
+    parts.push_back(out.reshape({1, n, -1}));
+  }
+  return at::cat(parts, 1);
+}
+
 // The attention block's work between its products with the fused kernels: q and k (after their norms, Qwen3)
-// rotated, k and v written to the cache, attention over it. Returns [B, T, H * D] for the output product, or an
-// undefined tensor where they do not apply (the ATen operations run then): bf16 or fp32 layers, cos and sin of
+// rotated, k and v written to the cache, attention over it. Returns the rows for the output product ([1, N, H * D]
+// with the layout's real rows, else [B, T, H * D]), or an undefined tensor where they do not apply (the ATen operations run then): bf16 or fp32 layers, cos and sin of
 // their dtype, and exact attention over fp64 entries or sdpa over entries of the layers' dtype.
 Tensor fused_attention(const Layer& layer, const std::vector<Tensor>& qkv, const Tensor& cos, const Tensor& sin,
-                       const c10::optional<Tensor>& mask, const Tensor& keys, const Tensor& values, int64_t start) {
+                       const c10::optional<Tensor>& mask, const Tensor& keys, const Tensor& values, int64_t start,
+                       const Layout& l) {
   const Tensor& x = qkv[0];
   int64_t batch = x.size(0), width = x.size(1), dim = layer.head_dim;
   auto dtype = x.scalar_type();
@@ -855,41 +902,19 @@ Tensor fused_attention(const Layer& layer, const std::vector<Tensor>& qkv, const
     using T = c10::BFloat16;
     if (exact) {
       rope_write<T, double, double>(q, k, v, cos, sin, q_out, keys, values, start);
-      return fused_exact_attention<T>(q_out, keys, values, mask, layer.scaling, end, layer.softmax_columns);
+      return gather(fused_exact_attention<T>(q_out, keys, values, mask, layer.scaling, end, layer.softmax_columns), l);
     }
     rope_write<T, T, T>(q, k, v, cos, sin, q_out, keys, values, start);
   } else {
     if (exact) {
       rope_write<float, double, double>(q, k, v, cos, sin, q_out, keys, values, start);
-      return fused_exact_attention<float>(q_out, keys, values, mask, layer.scaling, end, layer.softmax_columns);
+      return gather(fused_exact_attention<float>(q_out, keys, values, mask, layer.scaling, end, layer.softmax_columns),
+                    l);
     }
     rope_write<float, float, float>(q, k, v, cos, sin, q_out, keys, values, start);
   }
-  Tensor out = sdpa_attention(q_out.transpose(1, 2), keys.slice(2, 0, end), values.slice(2, 0, end), mask,
-                              layer.scaling, layer.kv_groups);
-  return out.reshape({batch, width, -1}).contiguous();
-}
-
-// Where a forward's rows sit in attention's padded [B, T] layout (compact.Ragged): the layers compute the real rows
-// alone, [1, N, ...], and attention scatters them into that layout and gathers them back; `real` unset: the rows
-// are the layout
-struct Layout {
-  c10::optional<Tensor> real;  // [N] flat indices into B * T of the real rows
-  int64_t batch, width;
-};
-
-// Ragged.scatter: [1, N, F] -> [B, T, F], zeros at the padding
-Tensor scatter(const Tensor& x, const Layout& l) {
-  if (!l.real) return x;
-  Tensor flat = x.reshape({-1, x.size(-1)});
-  Tensor out = at::zeros({l.batch * l.width, flat.size(1)}, flat.options());
-  return out.index_copy_(0, *l.real, flat).view({l.batch, l.width, flat.size(1)});
-}
-
-// Ragged.gather: [B, T, F] -> [1, N, F]
-Tensor gather(const Tensor& x, const Layout& l) {
-  if (!l.real) return x;
-  return x.reshape({l.batch * l.width, x.size(-1)}).index_select(0, *l.real).unsqueeze(0);
+  return sdpa_rows(q_out.transpose(1, 2), keys.slice(2, 0, end), values.slice(2, 0, end), mask, layer.scaling,
+                   layer.kv_groups, l);
 }
 
 // CompactForward._attention with apply_rotary_pos_emb, SlotCache.write (native.py: `SlotCache.native_storage`) and
@@ -913,8 +938,8 @@ Tensor attention(const Layer& layer, const Tensor& hidden, const Tensor& cos, co
       for (Tensor& x : qkv) x = scatter(x, l);
     }
   }
-  Tensor fused = fused_attention(layer, qkv, cos, sin, mask, keys, values, start);
-  if (fused.defined()) return product(layer.o, gather(fused, l), m)[0];
+  Tensor fused = fused_attention(layer, qkv, cos, sin, mask, keys, values, start, l);
+  if (fused.defined()) return product(layer.o, fused, m)[0];
   if (adjacent) {
     int64_t heads = qkv[0].size(-1) / dim, kv_heads = qkv[1].size(-1) / dim;
     Tensor both = rotary(whole.slice(-1, 0, (heads + kv_heads) * dim).view({batch, width, -1, dim}).transpose(1, 2),
@@ -936,11 +961,13 @@ Tensor attention(const Layer& layer, const Tensor& hidden, const Tensor& cos, co
   keys.slice(2, start, end).copy_(key);
   values.slice(2, start, end).copy_(value);
   Tensor out = layer.attention == kExact
-                   ? exact_attention(query, keys.slice(2, 0, end), values.slice(2, 0, end), mask, layer.scaling,
-                                     layer.softmax_columns)
-                   : sdpa_attention(query, keys.slice(2, 0, end), values.slice(2, 0, end), mask, layer.scaling,
-                                    layer.kv_groups);
-  return product(layer.o, gather(out.reshape({batch, width, -1}).contiguous(), l), m)[0];
+                   ? gather(exact_attention(query, keys.slice(2, 0, end), values.slice(2, 0, end), mask,
+                                            layer.scaling, layer.softmax_columns)
+                                .reshape({batch, width, -1}),
+                            l)
+                   : sdpa_rows(query, keys.slice(2, 0, end), values.slice(2, 0, end), mask, layer.scaling,
+                               layer.kv_groups, l);
+  return product(layer.o, out, m)[0];
 }
 
 // CompactForward._mlp
@@ -990,13 +1017,15 @@ class Stack {
                  std::vector<Tensor> keys, std::vector<Tensor> values, int64_t start, bool mask_active,
                  bool mask_gated, bool mask_kernel, c10::optional<Tensor> mask_dense,
                  c10::optional<Tensor> mask_rows,
-                 c10::optional<Tensor> real, int64_t batch, int64_t width) const {
+                 c10::optional<Tensor> real, int64_t batch, int64_t width, std::vector<int64_t> split) const {
     TORCH_CHECK(masks.size() == layers_.size() && keys.size() == layers_.size() && values.size() == layers_.size(),
                 "one mask, key and value storage per layer");
     TORCH_CHECK(real ? real->numel() == hidden.size(1) : hidden.size(0) == batch && hidden.size(1) == width,
                 "hidden holds the forward's rows: all of them, or the real ones listed");
     MaskRows m{mask_active, mask_gated, mask_kernel, mask_dense, mask_rows};
-    Layout l{real, batch, width};
+    TORCH_CHECK(split.empty() || (real && static_cast<int64_t>(split.size()) == batch),
+                "a split forward lists its real rows and each row's count");
+    Layout l{real, batch, width, std::move(split)};
     if (layers_.empty()) return hidden;
     Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
     // each residual add is done with the norm after it (add_rms_norm), the last one alone
