@@ -27,6 +27,10 @@ Two prefix-cache workloads (`--workload`), each against two servers in turn, wit
     python benchmarks/serving.py --workload chat [--conversations 16] [--turns 8] [--max-tokens 64]
     python benchmarks/serving.py --workload system-prompt [--system-tokens 1000] [--requests 32]
 
+With `--then TREE` (a checkout of an earlier commit: `git worktree add TREE COMMIT`), a prefix-cache workload runs
+against this tree's server and TREE's, both with the cache, taking turns `--rounds` (2) times: TTFT by turn of each,
+the earlier over this one (each turn's fastest p50), and each tree's last turn over its first.
+
 Ends with one JSON line.
 """
 
@@ -98,13 +102,16 @@ def wait_healthy(proc: subprocess.Popen, url: str, what: str) -> None:
     raise SystemExit(f"serving: error: {what} did not become healthy in 300 s")
 
 
-def start_refusion(port: int, slots: int, threads: int | None, extra: tuple[str, ...] = ()) -> subprocess.Popen:
-    """`refusion serve` on `port`; `extra`: more flags (--model, --prefix-cache-mb)."""
+def start_refusion(port: int, slots: int, threads: int | None, extra: tuple[str, ...] = (),
+                   tree: str | None = None) -> subprocess.Popen:
+    """`refusion serve` on `port`; `extra`: more flags (--model, --prefix-cache-mb); `tree`: another checkout whose
+    code serves (its `src` first on PYTHONPATH; None: this one's)."""
     cmd = ["refusion", "serve", "--port", str(port), "--max-batch-size", str(slots), "--max-queue", "512",
            "--log-level", "warning", "--served-model-name", "bench", *extra]
     if threads is not None:
         cmd += ["--threads", str(threads)]
-    proc = subprocess.Popen(cmd)
+    env = None if tree is None else {**os.environ, "PYTHONPATH": str(Path(tree).resolve() / "src")}
+    proc = subprocess.Popen(cmd, env=env)
     wait_healthy(proc, f"http://127.0.0.1:{port}/health", "refusion serve")
     return proc
 
@@ -291,14 +298,18 @@ def prefix_counters(base: str) -> dict[str, float]:
 
 
 def prefix_workload(args, prompts: list[str]) -> dict:
-    """The workload against a server with the prefix cache and one without, in turn: each one's results."""
+    """The workload against a server with the prefix cache and one without, in turn (`--then`: this tree's server
+    and an earlier tree's, both with the cache, taking turns `--rounds` times): each one's results (a list of them,
+    one per round, with `--then`)."""
     results = {}
+    servers = ([("now", args.prefix_cache_mb, None), ("then", args.prefix_cache_mb, args.then)] * args.rounds
+               if args.then else [("prefix_cache", args.prefix_cache_mb, None), ("no_prefix_cache", 0, None)])
     with tempfile.TemporaryDirectory() as workdir:
         model = ("--model", model_path(args.model, workdir)) if args.model else ()
-        for name, megabytes in (("prefix_cache", args.prefix_cache_mb), ("no_prefix_cache", 0)):
+        for name, megabytes, tree in servers:
             port = free_port()
             server = start_refusion(port, args.slots, args.threads,
-                                    (*model, "--prefix-cache-mb", str(megabytes)))
+                                    (*model, "--prefix-cache-mb", str(megabytes)), tree)
             base = f"http://127.0.0.1:{port}"
             try:
                 asyncio.run(run_level(base, prompts, 1, 1, 16, {}))  # warm-up (another prompt: nothing shared)
@@ -308,7 +319,11 @@ def prefix_workload(args, prompts: list[str]) -> dict:
                     questions = [prompts[i % len(prompts)] for i in range(args.requests or 32)]
                     result = asyncio.run(run_system_prompt(base, system_prompt(args.system_tokens), questions,
                                                            args.concurrency, args.max_tokens))
-                results[name] = {**result, "counters": prefix_counters(base)}
+                result = {**result, "counters": prefix_counters(base)}
+                if args.then:
+                    results.setdefault(name, []).append(result)
+                else:
+                    results[name] = result
             finally:
                 server.terminate()
                 server.wait()
@@ -318,16 +333,34 @@ def prefix_workload(args, prompts: list[str]) -> dict:
     return results
 
 
+def then_ratios(workload: str, now: list[dict], then: list[dict]) -> dict:
+    """TTFT p50 of the earlier tree over this one's (each turn's fastest over the rounds), and for the chat each
+    tree's last turn over its first."""
+    def best(runs: list[dict]) -> list[float]:
+        per_run = [[t["p50"] for t in r["ttft_by_turn"]] if workload == "chat" else [r["ttft"]["p50"]] for r in runs]
+        return [min(values) for values in zip(*per_run)]
+
+    a, b = best(now), best(then)
+    if workload != "chat":
+        return {"ttft_p50_then_over_now": b[0] / a[0]}
+    ratios = {f"ttft_p50_turn_{t + 1}_then_over_now": y / x for t, (x, y) in enumerate(zip(a, b))}
+    return {**ratios, "now_last_turn_over_first": a[-1] / a[0], "then_last_turn_over_first": b[-1] / b[0]}
+
+
 def prefix_report(args, prompts: list[str]) -> dict:
-    """The JSON report of a prefix-cache workload, with the TTFT ratios (without the cache over with it)."""
+    """The JSON report of a prefix-cache workload, with the TTFT ratios (without the cache over with it; `--then`:
+    the earlier tree's over this one's)."""
     results = prefix_workload(args, prompts)
-    on, off = results["prefix_cache"], results["no_prefix_cache"]
-    if args.workload == "chat":
+    if args.then:
+        ratios = then_ratios(args.workload, results["now"], results["then"])
+    elif args.workload == "chat":
+        on, off = results["prefix_cache"], results["no_prefix_cache"]
         ratios = {f"ttft_p50_turn_{t + 1}_without_over_with": b["p50"] / a["p50"]
                   for t, (a, b) in enumerate(zip(on["ttft_by_turn"], off["ttft_by_turn"]))}
     else:
-        ratios = {"ttft_p50_without_over_with": off["ttft"]["p50"] / on["ttft"]["p50"]}
-    return {"benchmark": "serving", "workload": args.workload, "model": args.model or "embedded",
+        ratios = {"ttft_p50_without_over_with": results["no_prefix_cache"]["ttft"]["p50"]
+                  / results["prefix_cache"]["ttft"]["p50"]}
+    return {"benchmark": "serving", "workload": args.workload, "model": args.model or "embedded", "then": args.then,
             "max_tokens": args.max_tokens, "slots": args.slots, "threads": args.threads, "linear": args.linear, "dtype": args.dtype,
             "prefix_cache_mb": args.prefix_cache_mb, "cpu": cpu_name(), "results": results, "ratios": ratios,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -364,6 +397,10 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=8, help="chat: turns of each conversation")
     parser.add_argument("--system-tokens", type=int, default=1000, help="system-prompt: its length, about")
     parser.add_argument("--concurrency", type=int, default=4, help="system-prompt: clients at once")
+    parser.add_argument("--then", default=None,
+                        help="prefix-cache workloads: another checkout (git worktree add TREE COMMIT) whose server "
+                             "takes turns with this tree's, both with the prefix cache, instead of the uncached one")
+    parser.add_argument("--rounds", type=int, default=2, help="--then: turns each tree takes")
     args = parser.parse_args()
     exit_on_sigterm()
     levels = [int(c) for c in args.clients.split(",")]

@@ -250,8 +250,10 @@ def test_the_probe_times_decoding_forwards_after_a_cached_context(monkeypatch):
     assert seen[3:12] == [(w, 24, 24) for w in (1, 4, 16)] * 3  # an untimed round, then two timed ones
     # batch extras: four sequences' contexts, then one token each, the first holding 2, 16 (the others 1), 3 rounds
     assert seen[12:22] == [(24, 0, 0)] + [(1, 24, 24), (2, 24, 24), (16, 24, 24)] * 3
-    # what a row pays per column beyond the context: 16 tokens after a long context, an untimed round and two timed
-    assert seen[22:] == [(LONG_PROBE_CONTEXT, 0, 0)] + [(16, LONG_PROBE_CONTEXT, LONG_PROBE_CONTEXT)] * 3
+    # what a row pays per column beyond the context: 16 tokens after the context and after a long one, interleaved,
+    # an untimed round and two timed
+    assert seen[22:24] == [(24, 0, 0), (LONG_PROBE_CONTEXT, 0, 0)]
+    assert seen[24:] == [(16, 24, 24), (16, LONG_PROBE_CONTEXT, LONG_PROBE_CONTEXT)] * 3
     assert costs.attention >= 0 and costs.probe_context == 24
 
 

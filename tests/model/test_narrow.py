@@ -60,14 +60,19 @@ def test_products_from_packed_from_rows_on_take_the_packed_copy_and_follow_the_w
     assert x.grad is not None and calls[-1] == 4
 
 
-def test_packed_copies_from_the_fewest_rows_where_they_win_at_every_count_after():
+def test_packed_copies_from_the_fewest_rows_where_they_win_and_never_lose_after():
     # ms through every layer at 1-8, 16 and 32 rows, shaped like a 2-core AVX-512 EPYC's (E4)
     major = [14.6, 14.6, 22.2, 23.0, 27.6, 32.7, 38.7, 37.0, 48.1, 68.5]
     packed = [18.6, 20.7, 16.0, 15.2, 16.5, 17.0, 18.0, 19.1, 24.8, 40.7]
     assert narrow.packed_from_times(major, packed) == 3
-    assert narrow.packed_from_times(major, packed[:3] + [22.0] + packed[4:]) == 5  # 4 rows within the gain
+    assert narrow.packed_from_times(major, packed[:3] + [22.0] + packed[4:]) == 3  # 4 rows: within the gain, not slower
+    assert narrow.packed_from_times(major, packed[:3] + [24.0] + packed[4:]) == 5  # 4 rows slower: from 5
     assert narrow.packed_from_times(major, packed[:-1] + [70.0]) == 0  # losing at 32 rows: never
     assert narrow.packed_from_times(major, packed, min_gain=3.0) == 0
+    # E5 (2-core AVX2 EPYC, fp32): the forms tie at 16 and 32 rows, packed wins from 5
+    major = [32.4, 32.4, 31.5, 41.1, 47.0, 53.2, 58.5, 53.3, 62.6, 87.0]
+    packed = [33.1, 34.4, 33.9, 38.9, 40.8, 34.4, 38.9, 41.1, 61.6, 81.2]
+    assert narrow.packed_from_times(major, packed) == 5
 
 
 def test_row_padding_picks_the_fastest_count_within_twice_the_rows():

@@ -46,8 +46,11 @@ import torch
 from refusion.model import calibration
 from refusion.model.calibration import ForwardCosts
 
-PROBE_WIDTHS = (1, 4, 8, 16, 32, 64)
+PROBE_WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 64)
 """Forward widths `measure` times; other widths are interpolated (linearly, and beyond the last one extrapolated).
+Every width up to 8: the linear kernels change form and padding between row counts (on E5, fp32: 5 and 6 rows cost
+1.3-1.6x 4 rows, and 7 cost less than 6, where interpolating 4 and 8 priced them at ~1.1x), and a batch of one-token
+steps with a draft or two is exactly such a forward.
 64: a batch's forward counts every sequence's rows, and extrapolating from 16-32 rows, where the weights' bytes
 still dominate, priced wider forwards too low, so that batched fused planning was chosen where it lost (docs/
 archive/RESULTS-LEDGER.md: *Engine vs the authors' reference script*); it costs the embedded model ~0.24 s
@@ -61,7 +64,7 @@ PROBE_CONTEXT = 128
 them, a cost that grows with width (on refusion-smol in row-exact bf16 on an AVX512-BF16 EPYC, a 16-token decoding
 forward costs 1.7x a one-token one, where forwards without a context measured 1.2x: docs/BENCHMARKS.md, Current
 results: *Forward costs with a context*)."""
-PROBE_VERSION = 5
+PROBE_VERSION = 6
 """Part of the record's key: bump when `measure` changes what it reports, so that older records are measured again.
 2: the one-token forward that decides whether to probe at all is timed after an untimed one (a process's first
 forward, which sets its kernels up, took over MAX_PROBE_SECONDS for the embedded model, and None was recorded: no
@@ -70,10 +73,12 @@ before "not priced" is recorded (one slow forward, another process's start besid
 record names the layout the costs were timed on (`ForwardCosts.probe_context`, `probe_batch`) and what a row pays
 per column beyond it (`attention`, timed over LONG_PROBE_CONTEXT), which a step's cost scales by its own layout.
 5: whether the forward runs attention row by row over a padded batch's real queries (`split_attention`: the
-padding's `padded_row` is then timed with it)."""
-LONG_PROBE_CONTEXT = 512
-"""The longer cached context over which a PAD_PROBE_WIDTH-token forward is timed again: what each row pays per column
-beyond PROBE_CONTEXT (`ForwardCosts.attention`), as a batch's rows do over its whole layout."""
+padding's `padded_row` is then timed with it). 6: `attention` from forwards after the two contexts interleaved,
+the long one 1,024 tokens; every width up to 8 timed."""
+LONG_PROBE_CONTEXT = 1024
+"""The longer cached context over which a PAD_PROBE_WIDTH-token forward is timed beside one over PROBE_CONTEXT: what
+each row pays per column beyond PROBE_CONTEXT (`ForwardCosts.attention`), as a batch's rows do over its whole
+layout (1,024: the difference, ~20 ms on E5, stands above the noise of a ~70 ms forward; 512 gave ~9 ms)."""
 PAD_PROBE_BATCH = 4
 """Sequences of the forwards that time padding (`batch_extras`)."""
 PAD_PROBE_WIDTH = 16
@@ -174,38 +179,45 @@ def measure(model, setup, widths: tuple[int, ...] = PROBE_WIDTHS, repeats: int =
         seconds[i] = max(seconds[i], seconds[i - 1])
     costs = ForwardCosts(tuple(widths), tuple(seconds))
     padded_row, masking = batch_extras(run, costs, vocab, repeats, context)
-    attention = attention_per_column(run, costs, vocab, repeats, context) if context else 0.0
+    attention = attention_per_column(run, vocab, repeats, context) if context else 0.0
     return replace(costs, padded_row=padded_row, masking=masking, attention=attention, probe_context=context,
                    probe_batch=PAD_PROBE_BATCH, split_attention=run.splits_attention)
 
 
-def attention_per_column(run, costs: ForwardCosts, vocab: int, repeats: int = PROBE_REPEATS,
-                         context: int = PROBE_CONTEXT, long_context: int = LONG_PROBE_CONTEXT,
-                         width: int = PAD_PROBE_WIDTH) -> float:
-    """Seconds a row pays per cached column beyond `context`: a `width`-token forward timed after `long_context`
-    cached tokens (fastest of `repeats`, after an untimed one), less the same width after `context` (`costs`), per
-    row and extra column; not below 0."""
+def attention_per_column(run, vocab: int, repeats: int = PROBE_REPEATS, context: int = PROBE_CONTEXT,
+                         long_context: int = LONG_PROBE_CONTEXT, width: int = PAD_PROBE_WIDTH) -> float:
+    """Seconds a row pays per cached column beyond `context`: a `width`-token forward after `context` cached tokens
+    and one after `long_context`, interleaved `repeats` times after an untimed round (a drift of the machine touches
+    both alike), the fastest of each; their difference per row and extra column, not below 0. Timed apart, minutes
+    from each other, the two once measured 0 on E5 where the cost is ~1.5 µs."""
     device = run.device
-    cache = run.new_cache(long_context + width + 1)
-    cache.add_sequence(0)
     ids = torch.arange(long_context + width, device=device).remainder(vocab)
     positions = torch.arange(long_context + width, device=device)[None]
+    caches = []
+    for cached in (context, long_context):
+        cache = run.new_cache(cached + width + 1)
+        cache.add_sequence(0)
+        run(cache, ids[None, :cached], positions[:, :cached], torch.zeros_like(positions[:, :cached]), None,
+            [cached], [cached])
+        cache.commit(0, torch.arange(cached, device=device))
+        caches.append((cached, cache))
 
-    def forward(start: int, n: int) -> float:
+    def forward(cached: int, cache) -> float:
         begin = time.perf_counter()
-        run(cache, ids[None, start: start + n], positions[:, start: start + n], torch.zeros_like(positions[:, :n]),
-            None, [n], [n])
-        return time.perf_counter() - begin
-
-    forward(0, long_context)
-    cache.commit(0, torch.arange(long_context, device=device))
-    times = []
-    for round_ in range(repeats + 1):
-        seconds = forward(long_context, width)
+        run(cache, ids[None, cached: cached + width], positions[:, cached: cached + width],
+            torch.zeros_like(positions[:, :width]), None, [width], [width])
+        seconds = time.perf_counter() - begin
         cache.discard(0)
-        if round_:
-            times.append(seconds)
-    return max(min(times) - costs.of(width), 0.0) / (width * (long_context - context))
+        return seconds
+
+    times: list[list[float]] = [[], []]
+    for round_ in range(repeats + 1):
+        for i, (cached, cache) in enumerate(caches):
+            seconds = forward(cached, cache)
+            if round_:
+                times[i].append(seconds)
+    short, long = min(times[0]), min(times[1])
+    return max(long - short, 0.0) / (width * (long_context - context))
 
 
 def fast_enough(forward, cache) -> bool:

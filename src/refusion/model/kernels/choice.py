@@ -16,8 +16,9 @@ from refusion.model.calibration import require, whole
 from refusion.model.kernels.registry import check_linear, kernel, kernel_of_layer, linear_kernel_of
 
 PINNED = "pinned by the caller"
-PROBE_VERSION = 1
-"""Part of the linear-kernel decision's record key: bump when `measured_choice` changes what it decides."""
+PROBE_VERSION = 2
+"""Part of the linear-kernel decision's record key: bump when `measured_choice` changes what it decides. 2: packed
+copies from the first row count where they win by MIN_PACKED_GAIN and never lose after (`narrow.packed_from_times`)."""
 CHOICES = ("plain", "narrow", "sgemm")
 """The kernels a recorded decision may name (`measured_choice`)."""
 
