@@ -408,13 +408,20 @@ def draft_counts(offers: list[tuple[int, tuple[tuple[int, float], ...]]], others
             width += block_rows
             blocks.append((gain / max(block_rows, 1), index, count, block_rows, gain, width))
     blocks.sort(key=lambda b: -b[0])  # stable: an offer's blocks keep their order
-    best, best_rate = [], tokens / costs.of_batch(base_rows, batch, base_width, columns)
+    priced: dict[tuple[int, int], float] = {}  # (rows, widest) -> seconds: the widths' prefixes share many
+
+    def cost(rows: int, widest: int) -> float:
+        if (rows, widest) not in priced:
+            priced[rows, widest] = costs.of_batch(rows, batch, widest, columns)
+        return priced[rows, widest]
+
+    best, best_rate = [], tokens / cost(base_rows, base_width)
     for limit in sorted({base_width, *(b[5] for b in blocks if b[5] > base_width)}):
         fitting = [b for b in blocks if b[5] <= limit]
         rows, gain, widest = base_rows, tokens, base_width
         for taken, block in enumerate(fitting, 1):
             rows, gain, widest = rows + block[3], gain + block[4], max(widest, block[5])
-            rate = gain / costs.of_batch(rows, batch, widest, columns)
+            rate = gain / cost(rows, widest)
             if rate > best_rate:
                 best, best_rate = fitting[:taken], rate
     counts = [0] * len(offers)

@@ -28,7 +28,9 @@ measures for itself.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -103,13 +105,14 @@ class ForwardCosts:
     so (the compact forward with sdpa on a CPU): the padding then pays no attention per column."""
 
     def of(self, width: int) -> float:
-        """Seconds of a forward of `width` tokens (interpolated between the measured widths)."""
+        """Seconds of a forward of `width` tokens (interpolated between the measured widths, extrapolated beyond the
+        last two)."""
         widths, seconds = self.widths, self.seconds
-        for i in range(1, len(widths)):
-            if width <= widths[i] or i == len(widths) - 1:
-                w0, w1, s0, s1 = widths[i - 1], widths[i], seconds[i - 1], seconds[i]
-                return s0 + (s1 - s0) * (width - w0) / (w1 - w0)
-        return seconds[0]
+        if len(widths) == 1:
+            return seconds[0]
+        i = min(max(bisect.bisect_left(widths, width), 1), len(widths) - 1)
+        w0, w1, s0, s1 = widths[i - 1], widths[i], seconds[i - 1], seconds[i]
+        return s0 + (s1 - s0) * (width - w0) / (w1 - w0)
 
     def of_batch(self, rows: int, batch: int, widest: int, columns: int = 0) -> float:
         """Seconds of a forward of `batch` sequences holding `rows` real tokens, padded to the `widest`, over a cache
@@ -123,11 +126,9 @@ class ForwardCosts:
         crowd = max(batch / self.probe_batch, 1.0) if self.probe_batch else 1.0
         padding = self.padded_row * max(batch * widest - rows, 0)
         attending = batch * widest  # queries of attention's padded layout
-        if self.split_attention and masked:
-            from refusion.model.compact import splits_attention
-
-            if splits_attention(batch, rows, widest, max(columns, self.probe_context) + widest):
-                attending = rows
+        if self.split_attention and masked and _splits_attention()(batch, rows, widest,
+                                                                   max(columns, self.probe_context) + widest):
+            attending = rows
         return (self.of(rows) + padding + self.attention * attending * beyond
                 + self.masking * masked * spread * crowd)
 
@@ -157,6 +158,14 @@ class ForwardCosts:
                    real(value.get("masking", 0.0), 0.0), real(value.get("attention", 0.0), 0.0),
                    whole(value.get("probe_context", 0), 0),
                    whole(value.get("probe_batch", 0), 0), flag(value.get("split_attention", False)))
+
+
+@functools.cache
+def _splits_attention():
+    """`compact.splits_attention` (imported on first use: this module imports no torch)."""
+    from refusion.model.compact import splits_attention
+
+    return splits_attention
 
 
 def require(condition: bool, what: str) -> None:
