@@ -309,6 +309,25 @@ def test_a_full_buffer_is_compacted_before_it_grows():
     assert_kv_follows_metadata(cache)
 
 
+def test_a_full_buffer_whose_compaction_would_free_little_grows_instead():
+    """Full with one dead column of 16 (less than an eighth), a forward of 2 makes the buffer grow without copying it
+    first (compacting would free too little to last); with two dead (an eighth) it is compacted and keeps its size."""
+    for dead in (1, 2):
+        cache = make_cache(1, capacity=16)
+        prefill(cache, 13 - dead)
+        drafted = list(range(13 - dead, 15))  # a forward of dead + 2 tokens: the first and last are kept
+        forward(cache, [[0] * len(drafted)], [drafted])
+        cache.retain(0, torch.tensor([drafted[0], drafted[-1]]))
+        cache.commit(0, torch.tensor([drafted[0], drafted[-1]]))
+        assert cache.used == 15
+        compacted = []
+        compact = cache.compact
+        cache.compact = lambda: compacted.append(True) or compact()  # noqa: B023
+        forward(cache, [[0, 0]], [[15, 16]])
+        assert (cache.capacity, compacted) == ((24, []) if dead == 1 else (16, [True]))
+        assert_kv_follows_metadata(cache)
+
+
 def test_growth_keeps_every_entry():
     cache = make_cache(2, capacity=4)
     prefill(cache, 3, seq=0)

@@ -351,13 +351,17 @@ class SlotCache:
     # ----------------------------------------------------------------------------- space
     def _make_room(self, width: int) -> None:
         """Room for `width` more columns: the emptied tail reused, the buffer compacted when holes waste too much of
-        it, grown when still full. Reads the metadata back only when something may have been dropped since the last
-        read or the buffer is full: otherwise the tail is filled and the waste has not changed."""
+        it (or when it is full and compacting frees an eighth of it), grown when still full. Reads the metadata back
+        only when something may have been dropped since the last read or the buffer is full: otherwise the tail is
+        filled and the waste has not changed."""
         if not (self._dirty or self.used + width > self.capacity):
             return
         live = self._read_metadata()
         waste = self.used - live
-        if self.used + width > self.capacity or waste > max(64, live // 2):
+        full = self.used + width > self.capacity
+        # full, a compaction that frees less than an eighth of the buffer only delays growing (near capacity, a
+        # chat's long contexts were compacted every few steps, each a copy of the whole buffer)
+        if waste > max(64, live // 2) or (full and waste >= max(width, self.capacity // 8)):
             self.compact()
         if self.used + width > self.capacity:
             self._grow(max(self.used + width, int(self.capacity * 1.5)))
