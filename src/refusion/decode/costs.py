@@ -188,8 +188,9 @@ def attention_per_column(run, vocab: int, repeats: int = PROBE_REPEATS, context:
                          long_context: int = LONG_PROBE_CONTEXT, width: int = PAD_PROBE_WIDTH) -> float:
     """Seconds a row pays per cached column beyond `context`: a `width`-token forward after `context` cached tokens
     and one after `long_context`, interleaved `repeats` times after an untimed round (a drift of the machine touches
-    both alike), the fastest of each; their difference per row and extra column, not below 0. Timed apart, minutes
-    from each other, the two once measured 0 on E5 where the cost is ~1.5 µs."""
+    both alike), the fastest of each; their difference per row and extra column, not below 0. On E5, where the cost
+    is ~1.5-2 µs, this still recorded 0 in one of three server-side probes (and the earlier probe, the long context
+    timed apart from the short one, in two): a record of 0 prices long layouts too low until `refusion calibrate`."""
     device = run.device
     ids = torch.arange(long_context + width, device=device).remainder(vocab)
     positions = torch.arange(long_context + width, device=device)[None]
