@@ -118,9 +118,10 @@ def test_a_longer_layout_and_a_larger_batch_than_the_probe_s_pay_for_their_atten
 
 
 def test_where_attention_runs_row_by_row_only_the_real_queries_pay_for_the_layout():
-    """With `split_attention` (the compact forward's sdpa on a CPU), a forward that `compact.splits_attention` splits
-    pays the per-column attention for its real rows alone: a 143-token prefill beside three one-token steps over
-    1,500 columns pays for 146 queries, not 572; one that does not split (one-token steps) pays as before."""
+    """With `split_attention` (the compact forward's sdpa on a CPU), a forward that
+    `attention_split.splits_attention` splits pays the per-column attention for its real rows alone: a 143-token
+    prefill beside three one-token steps over 1,500 columns pays for 146 queries, not 572; one that does not split
+    (one-token steps) pays as before."""
     timed = ForwardCosts((1, 64), (1.0, 1.5), padded_row=0.1, masking=0.2, attention=0.001, probe_context=100,
                          probe_batch=4)
     split = replace(timed, split_attention=True)

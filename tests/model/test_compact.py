@@ -7,7 +7,8 @@ import torch
 
 import refusion
 from refusion.decode.cache import PADDING, SlotCache, attention_mask_dtype, attention_windows, cache_keyword
-from refusion.model.compact import CompactForward, Ragged, compact_forward, splits_attention
+from refusion.model.attention_split import splits_attention
+from refusion.model.compact import CompactForward, Ragged, compact_forward
 from refusion.model.kernels import narrow
 from refusion.model.kernels.row_exact import EXACT_ATTENTION, packing_available, use_packed_linears
 from refusion.model.setup import setup_of

@@ -13,7 +13,8 @@ import time
 import torch
 
 from refusion.decode.cache import PADDING, SlotCache, attention_mask_dtype, attention_windows, cache_keyword
-from refusion.model.compact import Ragged, compact_forward, splits_attention
+from refusion.model.attention_split import splits_attention
+from refusion.model.compact import Ragged, compact_forward
 from refusion.model.compiled import run_compiled, static_capacity
 from refusion.model.kernels.row_exact import cache_dtype
 
@@ -38,8 +39,8 @@ class CachedForward:
                         else None)
         self.splits_attention = (self.compact is not None and self.device.type == "cpu"
                                  and self.compact.attn_implementation == "sdpa")
-        """Whether a padded forward may run attention row by row over the real queries (`compact.splits_attention`
-        decides which): the compact forward on the CPU with sdpa."""
+        """Whether a padded forward may run attention row by row over the real queries
+        (`attention_split.splits_attention` decides which): the compact forward on the CPU with sdpa."""
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cache_keyword = cache_keyword(model)
 
@@ -61,8 +62,8 @@ class CachedForward:
         forward of the [B, W] inputs, right-aligned (`counts`: each row's real tokens; `bucket`: the compiled width
         they were padded to). On the CPU, where a product's cost grows with its rows, the compact forward computes a
         padded batch's real rows alone (`compact.Ragged`), and sdpa over each row's real queries alone where the
-        padding's would cost more than the extra calls (`compact.splits_attention`); a GPU computes the padding in the
-        same kernels."""
+        padding's would cost more than the extra calls (`attention_split.splits_attention`); a GPU computes the
+        padding in the same kernels."""
         mask = cache.begin_forward(groups, positions, lower_upto, counts)
         keep = max(needs)
         kwargs = {"logits_to_keep": bucket or keep} if self._logits_to_keep else {}  # compiled: fixed

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import functools
 import hashlib
 import json
 import math
@@ -47,6 +46,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from refusion.cache_dirs import cache_root
+from refusion.model.attention_split import splits_attention
 
 RECORD_FILE = "calibration.json"
 """The record's file name, beside the models' directory (`cache_dirs.cache_root()`: ~/.cache/refusion/)."""
@@ -101,7 +101,7 @@ class ForwardCosts:
     """The sequences of the forwards that timed `masking`: a larger batch pays it in proportion (the mask and the
     masked attention are per sequence). 0: not scaled."""
     split_attention: bool = False
-    """Whether the forward runs attention row by row over the real queries where `compact.splits_attention` says
+    """Whether the forward runs attention row by row over the real queries where `attention_split.splits_attention` says
     so (the compact forward with sdpa on a CPU): the padding then pays no attention per column."""
 
     def of(self, width: int) -> float:
@@ -126,8 +126,8 @@ class ForwardCosts:
         crowd = max(batch / self.probe_batch, 1.0) if self.probe_batch else 1.0
         padding = self.padded_row * max(batch * widest - rows, 0)
         attending = batch * widest  # queries of attention's padded layout
-        if self.split_attention and masked and _splits_attention()(batch, rows, widest,
-                                                                   max(columns, self.probe_context) + widest):
+        if self.split_attention and masked and splits_attention(batch, rows, widest,
+                                                                max(columns, self.probe_context) + widest):
             attending = rows
         return (self.of(rows) + padding + self.attention * attending * beyond
                 + self.masking * masked * spread * crowd)
@@ -158,14 +158,6 @@ class ForwardCosts:
                    real(value.get("masking", 0.0), 0.0), real(value.get("attention", 0.0), 0.0),
                    whole(value.get("probe_context", 0), 0),
                    whole(value.get("probe_batch", 0), 0), flag(value.get("split_attention", False)))
-
-
-@functools.cache
-def _splits_attention():
-    """`compact.splits_attention` (imported on first use: this module imports no torch)."""
-    from refusion.model.compact import splits_attention
-
-    return splits_attention
 
 
 def require(condition: bool, what: str) -> None:

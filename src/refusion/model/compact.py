@@ -39,24 +39,6 @@ _last_built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 to keep one: its decoders share this one, so its fused weights are stacked and packed once, not per decode)."""
 
 
-SPLIT_WORK = 1024
-"""Padding queries times attended columns, per extra attention call, from which sdpa runs sequence by sequence over
-each one's real queries instead of once over the padded layout (`splits_attention`). A padded query costs what a real
-one does there: a 143-token prefill joining three one-token steps over ~1,500 columns paid four times its own
-attention (E5, docs/BENCHMARKS.md, *Attention over the real rows*), while an extra call costs about what ~1,000 query
-columns do."""
-
-
-def splits_attention(batch: int, rows: int, width: int, columns: int) -> bool:
-    """Whether a padded forward of `batch` sequences holding `rows` real tokens, padded to `width` each, over
-    `columns` cache columns (its own included), runs sdpa row by row over the real queries alone (`SPLIT_WORK`).
-    Decided on shapes alone, so the same forward splits alike in every process. Only sdpa splits (`CompactForward`): it computes every padded query,
-    where exact attention already skips what a padding query does not see. Splitting keeps each row's attention
-    exactly what it is but may round a row's fp32 sums differently (sdpa's blocks depend on how many queries a call
-    holds), as a different batch width does."""
-    return batch > 1 and (batch * width - rows) * columns >= SPLIT_WORK * (batch - 1)
-
-
 @dataclass(frozen=True)
 class Ragged:
     """Where the real tokens of a padded [B, W] forward are: the compact forward computes those rows alone."""
@@ -70,13 +52,13 @@ class Ragged:
     keep: torch.Tensor
     """[M] the indices (into the N real tokens) of the tokens whose logits are returned, in order."""
     split: tuple[int, ...] = ()
-    """Each row's real tokens where sdpa runs row by row over them alone (`splits_attention`); (): one call over the
-    padded layout."""
+    """Each row's real tokens where sdpa runs row by row over them alone (`attention_split.splits_attention`); ():
+    one call over the padded layout."""
 
     @classmethod
     def of(cls, counts: list[int], needs: list[int], width: int, device: torch.device, split: bool = False) -> Ragged:
         """The layout of a left-padded forward: row b holds counts[b] real tokens at its end and wants the logits
-        of its last needs[b]. `split`: attention runs row by row (`splits_attention` decides)."""
+        of its last needs[b]. `split`: attention runs row by row (`attention_split.splits_attention` decides)."""
         real, keep, start = [], [], 0
         for b, (n, need) in enumerate(zip(counts, needs)):
             real.append(torch.arange((b + 1) * width - n, (b + 1) * width))

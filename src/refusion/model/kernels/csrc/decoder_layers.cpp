@@ -877,8 +877,9 @@ Tensor sdpa_rows(const Tensor& query, const Tensor& keys, const Tensor& values, 
 
 // The attention block's work between its products with the fused kernels: q and k (after their norms, Qwen3)
 // rotated, k and v written to the cache, attention over it. Returns the rows for the output product ([1, N, H * D]
-// with the layout's real rows, else [B, T, H * D]), or an undefined tensor where they do not apply (the ATen operations run then): bf16 or fp32 layers, cos and sin of
-// their dtype, and exact attention over fp64 entries or sdpa over entries of the layers' dtype.
+// with the layout's real rows, else [B, T, H * D]), or an undefined tensor where they do not apply (the ATen
+// operations run then): bf16 or fp32 layers, cos and sin of their dtype, and exact attention over fp64 entries or
+// sdpa over entries of the layers' dtype.
 Tensor fused_attention(const Layer& layer, const std::vector<Tensor>& qkv, const Tensor& cos, const Tensor& sin,
                        const c10::optional<Tensor>& mask, const Tensor& keys, const Tensor& values, int64_t start,
                        const Layout& l) {
