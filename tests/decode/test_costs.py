@@ -141,6 +141,14 @@ def test_the_probe_prices_a_padding_row_of_a_batch():
     assert costs.split_attention  # the tiny model's compact forward runs sdpa on the CPU
 
 
+def test_a_slow_width_is_pooled_with_its_neighbours_not_carried_to_every_wider_one():
+    from refusion.decode.costs import non_decreasing
+
+    assert non_decreasing([28.0, 30.0, 53.0, 41.0, 41.0, 45.0, 60.0]) == pytest.approx([28, 30, 45, 45, 45, 45, 60])
+    assert non_decreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert non_decreasing([5.0, 4.0]) == [4.5, 4.5]
+
+
 def test_measured_costs_are_one_per_probed_width_and_never_fall_with_width():
     model = tiny_model("llama")
     costs = measure(model, plain_setup(model), widths=(1, 4, 16), repeats=2)

@@ -64,7 +64,7 @@ PROBE_CONTEXT = 128
 them, a cost that grows with width (on refusion-smol in row-exact bf16 on an AVX512-BF16 EPYC, a 16-token decoding
 forward costs 1.7x a one-token one, where forwards without a context measured 1.2x: docs/BENCHMARKS.md, Current
 results: *Forward costs with a context*)."""
-PROBE_VERSION = 6
+PROBE_VERSION = 7
 """Part of the record's key: bump when `measure` changes what it reports, so that older records are measured again.
 2: the one-token forward that decides whether to probe at all is timed after an untimed one (a process's first
 forward, which sets its kernels up, took over MAX_PROBE_SECONDS for the embedded model, and None was recorded: no
@@ -74,7 +74,8 @@ record names the layout the costs were timed on (`ForwardCosts.probe_context`, `
 per column beyond it (`attention`, timed over LONG_PROBE_CONTEXT), which a step's cost scales by its own layout.
 5: whether the forward runs attention row by row over a padded batch's real queries (`split_attention`: the
 padding's `padded_row` is then timed with it). 6: `attention` from forwards after the two contexts interleaved,
-the long one 1,024 tokens; every width up to 8 timed."""
+the long one 1,024 tokens; every width up to 8 timed. 7: widths that run backwards pooled (`non_decreasing`)
+instead of raised to the slowest narrower one."""
 LONG_PROBE_CONTEXT = 1024
 """The longer cached context over which a PAD_PROBE_WIDTH-token forward is timed beside one over PROBE_CONTEXT: what
 each row pays per column beyond PROBE_CONTEXT (`ForwardCosts.attention`), as a batch's rows do over its whole
@@ -174,14 +175,26 @@ def measure(model, setup, widths: tuple[int, ...] = PROBE_WIDTHS, repeats: int =
     for _ in range(repeats):
         for w in widths:
             times[w].append(timed(w))
-    seconds = [min(times[w]) for w in widths]
-    for i in range(1, len(seconds)):  # a wider forward never costs less (noise aside)
-        seconds[i] = max(seconds[i], seconds[i - 1])
+    seconds = non_decreasing([min(times[w]) for w in widths])
     costs = ForwardCosts(tuple(widths), tuple(seconds))
     padded_row, masking = batch_extras(run, costs, vocab, repeats, context)
     attention = attention_per_column(run, vocab, repeats, context) if context else 0.0
     return replace(costs, padded_row=padded_row, masking=masking, attention=attention, probe_context=context,
                    probe_batch=PAD_PROBE_BATCH, split_attention=run.splits_attention)
+
+
+def non_decreasing(seconds: list[float]) -> list[float]:
+    """The closest non-decreasing times (least squares: adjacent widths that run backwards are pooled to their mean):
+    a wider forward never costs less. A running maximum carried one slow width to every wider one: on a fresh E5 run
+    a 3-token forward timed at 53 ms priced 3 to 12 tokens alike, and the README's command verified half the drafts."""
+    pools: list[list[float]] = []  # [sum, count]
+    for value in seconds:
+        pools.append([value, 1])
+        while len(pools) > 1 and pools[-2][0] * pools[-1][1] > pools[-1][0] * pools[-2][1]:
+            total, count = pools.pop()
+            pools[-1][0] += total
+            pools[-1][1] += count
+    return [total / count for total, count in pools for _ in range(int(count))]
 
 
 def attention_per_column(run, vocab: int, repeats: int = PROBE_REPEATS, context: int = PROBE_CONTEXT,
