@@ -76,8 +76,6 @@ def cache_keyword(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-
-
 def attention_mask_dtype(model) -> torch.dtype | None:
     """The dtype of the masks a model's attention takes: None for boolean (sdpa), the model's dtype for additive
     ones. Raises ValueError for implementations that cannot take ReFusion's masks (flash attention, ...)."""

@@ -101,8 +101,9 @@ class ForwardCosts:
     """The sequences of the forwards that timed `masking`: a larger batch pays it in proportion (the mask and the
     masked attention are per sequence). 0: not scaled."""
     split_attention: bool = False
-    """Whether the forward runs attention row by row over the real queries where `attention_split.splits_attention` says
-    so (the compact forward with sdpa on a CPU): the padding then pays no attention per column."""
+    """Whether the forward runs attention row by row over the real queries where
+    `attention_split.splits_attention` says so (the compact forward with sdpa on a CPU): the padding then pays no
+    attention per column."""
 
     def of(self, width: int) -> float:
         """Seconds of a forward of `width` tokens (interpolated between the measured widths, extrapolated beyond the
