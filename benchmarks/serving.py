@@ -402,6 +402,8 @@ def main() -> None:
                              "takes turns with this tree's, both with the prefix cache, instead of the uncached one")
     parser.add_argument("--rounds", type=int, default=2, help="--then: turns each tree takes")
     args = parser.parse_args()
+    if args.then is not None and not (Path(args.then) / "src" / "refusion").is_dir():
+        parser.error(f"--then {args.then}: no src/refusion there (a checkout: git worktree add TREE COMMIT)")
     exit_on_sigterm()
     levels = [int(c) for c in args.clients.split(",")]
     prompts = held_out_prompts(args.per_task)
