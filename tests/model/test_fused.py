@@ -16,7 +16,9 @@ from .test_compact import forwards, transformers_run
 KINDS = [pytest.param("packed", marks=pytest.mark.skipif(not row_exact.packing_available(),
                                                          reason="no bf16 packing on this CPU")),
          pytest.param("int4", marks=pytest.mark.skipif(not int4.int4_available(), reason="no int4 CPU kernel")),
+         pytest.param("int4-fp32", marks=pytest.mark.skipif(int4.native_blocks() is None, reason="no C++ extension")),
          "narrow"]
+"""int4: bf16 rows by torch's kernel; int4-fp32: fp32 rows by refusion's (`csrc/block_products.cpp`)."""
 
 
 HIDDEN = 128
@@ -30,29 +32,32 @@ NARROW_PACKED_FROM = 3
 
 
 def model_with(kind: str, family: str = "llama", seed: int = 0):
-    """A tiny bf16 model whose linear layers use `kind` (int4: random 4-bit blocks, the weights set to them), or
-    for "narrow" a tiny fp32 model multiplying weight-major, its products padded (`NARROW_PADDING`), and by packed
+    """A tiny bf16 model whose linear layers use `kind` (int4: random 4-bit blocks, the weights set to them; int4-fp32
+    the same in an fp32 model), or for "narrow" a tiny fp32 model multiplying weight-major, its products padded (`NARROW_PADDING`), and by packed
     copies from NARROW_PACKED_FROM rows on."""
     if kind == "narrow":
         model = tiny_model(family, hidden_size=HIDDEN, heads=4, kv_heads=2, dtype=torch.float32, seed=seed,
                            attn_implementation="sdpa")
         narrow.use_narrow_linears(model, force=True, padded_rows=NARROW_PADDING, packed_from=NARROW_PACKED_FROM)
         return model
-    model = tiny_model(family, hidden_size=HIDDEN, heads=4, kv_heads=2, dtype=torch.bfloat16, seed=seed,
+    dtype = torch.float32 if kind == "int4-fp32" else torch.bfloat16
+    model = tiny_model(family, hidden_size=HIDDEN, heads=4, kv_heads=2, dtype=dtype, seed=seed,
                        attn_implementation=row_exact.EXACT_ATTENTION)
     if kind == "packed":
         row_exact.use_packed_linears(model)
         return model
     generator = torch.Generator().manual_seed(seed)
     for name, layer in model.named_modules():
-        if type(layer) is nn.Linear and name != "lm_head":
+        head = name == "lm_head"  # fp32: 8-bit blocks (a GGUF's Q8_0 head), so that every product is row-exact
+        if type(layer) is nn.Linear and (not head or dtype == torch.float32):
             n, k = layer.weight.shape
-            blocks = int4.Int4Blocks(torch.randint(0, 16, (n, k), generator=generator, dtype=torch.int32),
+            low, high = (-128, 128) if head else (0, 16)
+            blocks = int4.Int4Blocks(torch.randint(low, high, (n, k), generator=generator, dtype=torch.int32),
                                      torch.rand(n, k // int4.GROUP, generator=generator) / 50,
-                                     torch.randn(n, k // int4.GROUP, generator=generator) / 10)
+                                     torch.randn(n, k // int4.GROUP, generator=generator) / 10, 8 if head else 4)
             with torch.no_grad():
                 layer.weight.copy_(blocks.dequantize())
-            int4.switch_to_int4(layer, *int4.pack(blocks))
+            int4.switch_to_int4(layer, *int4.pack(blocks, dtype))
     return model
 
 
@@ -104,7 +109,7 @@ def test_a_fused_product_follows_its_members_weights(kind):
     q_proj = model.model.layers[0].self_attn.q_proj
     with torch.no_grad():
         q_proj.weight.mul_(-1)  # written in place: a new version of the same tensor
-    if kind == "int4":  # the 4-bit blocks no longer describe it: refused, as a lone Int4Linear refuses
+    if kind.startswith("int4"):  # the 4-bit blocks no longer describe it: refused, as a lone Int4Linear refuses
         with pytest.raises(RuntimeError, match="load the model again"):
             forwards(model, compact)
         return

@@ -1,6 +1,6 @@
-"""Weights as shipped (linear kernel "int4"): a GGUF file's 4-bit blocks read back exactly, in the rows and names
-transformers gives them, multiplied row by row so that the exact mode stays AR decoding, and refused with one
-line where they cannot hold."""
+"""Weights as shipped (linear kernel "int4"): a GGUF file's blocks read back exactly, in the rows and names
+transformers gives them, multiplied row by row (bf16 by torch's kernel, fp32 by refusion's) so that the exact mode
+stays AR decoding, and refused with one line where they cannot hold."""
 
 from __future__ import annotations
 
@@ -19,31 +19,73 @@ from refusion.model.tiny import tiny_model
 pytestmark = pytest.mark.skipif(not int4.int4_available(), reason="this torch build has no int4 CPU kernel")
 
 
+needs_native = pytest.mark.skipif(int4.native_blocks() is None, reason="the C++ extension cannot be built here")
+
+
 def quantized(weight: torch.Tensor, kind: str = "Q4_1") -> tuple[np.ndarray, Int4Blocks]:
     """(raw GGUF rows, blocks) of a weight quantized as llama.cpp does."""
     raw = quants.quantize(weight.float().numpy(), GGMLQuantizationType[kind])
     q, d, m = int4._unpack_blocks(raw, kind)
-    scale = torch.from_numpy(d)
-    zero = torch.from_numpy(m) + 8 * scale if m is not None else torch.zeros_like(scale)
-    return raw, Int4Blocks(torch.from_numpy(q), scale, zero)
+    return raw, Int4Blocks(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m), 8 if kind == "Q8_0" else 4)
 
 
 @torch.no_grad()
-def layer_on_blocks(in_features: int, out_features: int, bias: bool = False) -> tuple[nn.Linear, Int4Blocks]:
-    """A bf16 layer whose weight is exactly what its Q4_1 blocks hold, and the blocks."""
+def layer_on_blocks(in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype = torch.bfloat16,
+                    kind: str = "Q4_1", extra_rows: int = 0) -> tuple[nn.Linear, Int4Blocks]:
+    """A layer whose weight is exactly what its `kind` blocks hold (then `extra_rows` rows the blocks lack, as an LM
+    head grown by added tokens has), and the blocks."""
     torch.manual_seed(0)
-    layer = nn.Linear(in_features, out_features, bias=bias, dtype=torch.bfloat16)
-    _, blocks = quantized(layer.weight)
-    layer.weight.copy_(blocks.dequantize())
+    layer = nn.Linear(in_features, out_features + extra_rows, bias=bias, dtype=dtype)
+    _, blocks = quantized(layer.weight[:out_features], kind)
+    layer.weight[:out_features] = blocks.dequantize()
     return layer, blocks
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
-def test_blocks_unpack_to_what_gguf_dequantizes(kind):
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_blocks_unpack_to_what_gguf_dequantizes_bit_for_bit(kind):
     torch.manual_seed(0)
     raw, blocks = quantized(torch.randn(48, 4 * GROUP), kind)
     expected = quants.dequantize(raw, GGMLQuantizationType[kind])
-    np.testing.assert_allclose(blocks.dequantize().numpy(), expected, rtol=0, atol=1e-6)
+    assert np.array_equal(blocks.dequantize().numpy(), expected)  # the plain fp32 load's weights, bit for bit
+
+
+@needs_native
+@pytest.mark.parametrize("kind,extra_rows", [("Q4_0", 0), ("Q4_1", 0), ("Q8_0", 0), ("Q8_0", 3), ("Q4_1", 11)])
+@torch.no_grad()
+def test_fp32_products_are_the_files_weights_and_every_row_comes_out_as_alone(kind, extra_rows, monkeypatch):
+    """fp32 rows by refusion's kernel: F.linear's values on the same weights (which are the blocks' exactly), each
+    row bit for bit whatever the rows with it and the threads; rows the blocks lack multiply as they are."""
+    layer, blocks = layer_on_blocks(4 * GROUP, 48, bias=True, dtype=torch.float32, kind=kind, extra_rows=extra_rows)
+    reference = nn.Linear(4 * GROUP, 48 + extra_rows, bias=True)
+    reference.load_state_dict(layer.state_dict())
+    assert int4.can_switch(layer, 48, blocks.bits)
+    int4.check_blocks(layer, blocks)
+    int4.switch_to_int4(layer, *int4.pack(blocks, torch.float32))
+    x = torch.randn(2, 70, 4 * GROUP)  # 140 rows: past the kernel's blocks of 64 rows
+    torch.testing.assert_close(layer(x), reference(x), rtol=1e-5, atol=1e-5)
+    alone = torch.cat([layer(x[:, i:i + 1]) for i in range(70)], dim=1)
+    for width in (1, 2, 3, 5, 8, 33, 70):
+        assert torch.equal(layer(x[:, :width]), alone[:, :width]), width
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(layer(x), alone)
+    finally:
+        torch.set_num_threads(threads)
+    assert set(layer.state_dict()) == {"weight", "bias"}
+    with torch.enable_grad():  # training takes the plain weight, with autograd
+        assert layer(x[:, :2]).requires_grad
+
+
+@needs_native
+def test_fp32_blocks_fit_only_whole_tiles_and_never_more_rows_than_the_weight():
+    layer, blocks = layer_on_blocks(2 * GROUP, 40, dtype=torch.float32)
+    assert not int4.can_switch(layer, 40)  # not a multiple of PACK_MULTIPLE
+    assert not int4.can_switch(layer, 48) and int4.can_switch(layer, 32)
+    bf16 = nn.Linear(2 * GROUP, 48, dtype=torch.bfloat16)
+    assert int4.can_switch(bf16) and not int4.can_switch(bf16, 32) and not int4.can_switch(bf16, bits=8)
+    with pytest.raises(ValueError, match="blocks of shape"):
+        int4.check_blocks(nn.Linear(2 * GROUP, 32), blocks)
 
 
 @torch.no_grad()
@@ -80,23 +122,25 @@ def test_a_weight_written_after_the_switch_is_not_multiplied_by_stale_blocks():
         layer(x)
 
 
-def llama_gguf(tmp_path, model) -> str:
+def llama_gguf(tmp_path, model, head: bool = False) -> str:
     """Write a tiny Llama's linear layers into a GGUF file the way llama.cpp's converter does (Q4_1, llama's
-    q/k row order, its tensor names), and set the model's weights to what the file holds."""
+    q/k row order, its tensor names; with `head`, the LM head in Q8_0), and set the model's weights to what the
+    file holds."""
     from gguf import MODEL_ARCH, get_tensor_name_map
 
     config = model.config
     names = get_tensor_name_map(MODEL_ARCH.LLAMA, config.num_hidden_layers)
     writer = GGUFWriter(str(tmp_path / "tiny.gguf"), "llama")
     for name, layer in model.named_modules():
-        if type(layer) is not nn.Linear or name == "lm_head":
+        if type(layer) is not nn.Linear or (name == "lm_head" and not head):
             continue
         weight = layer.weight.detach().float()
         if name.endswith(("q_proj", "k_proj")):  # llama.cpp's permute(): rotary halves interleaved per head
             heads = config.num_attention_heads if name.endswith("q_proj") else config.num_key_value_heads
             weight = weight.reshape(heads, 2, weight.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(weight.shape)
-        raw, blocks = quantized(weight)
-        writer.add_tensor(names.get_name(name) + ".weight", raw, raw_dtype=GGMLQuantizationType.Q4_1)
+        kind = "Q8_0" if name == "lm_head" else "Q4_1"
+        raw, blocks = quantized(weight, kind)
+        writer.add_tensor(names.get_name(name) + ".weight", raw, raw_dtype=GGMLQuantizationType[kind])
         with torch.no_grad():
             dequantized = blocks.dequantize()
             if name.endswith(("q_proj", "k_proj")):  # back to the model's row order
@@ -109,11 +153,11 @@ def llama_gguf(tmp_path, model) -> str:
     return str(tmp_path / "tiny.gguf")
 
 
-def tiny_int4_llama(tmp_path, monkeypatch):
+def tiny_int4_llama(tmp_path, monkeypatch, dtype: torch.dtype = torch.bfloat16, head: bool = False):
     monkeypatch.setenv("REFUSION_CACHE", str(tmp_path / "cache"))
-    model = tiny_model("llama", hidden_size=128, heads=4, kv_heads=2, dtype=torch.bfloat16,
+    model = tiny_model("llama", hidden_size=128, heads=4, kv_heads=2, dtype=dtype,
                        attn_implementation=row_exact.EXACT_ATTENTION)
-    return model, llama_gguf(tmp_path, model)
+    return model, llama_gguf(tmp_path, model, head)
 
 
 @torch.no_grad()
@@ -157,14 +201,37 @@ def test_int4_is_refused_in_one_line_where_it_cannot_hold(tmp_path, monkeypatch)
     model, path = tiny_int4_llama(tmp_path, monkeypatch)
     with pytest.raises(ValueError, match="GGUF file"):
         prepare(model, linear="int4")
-    fp32 = tiny_model("llama", hidden_size=128, heads=4, kv_heads=2)
-    with pytest.raises(ValueError, match="dtype='bfloat16'"):
-        prepare(fp32, weights_file=path, linear="int4")
+    fp16 = tiny_model("llama", hidden_size=128, heads=4, kv_heads=2, dtype=torch.float16)
+    with pytest.raises(ValueError, match="dtype='float32' or 'bfloat16'"):
+        prepare(fp16, weights_file=path, linear="int4")
     with torch.no_grad():
         model.model.layers[0].mlp.up_proj.weight.mul_(1.5)
     with pytest.raises(ValueError, match="not the file's 4-bit blocks"):
         prepare(model, weights_file=path, linear="int4")
     assert getattr(model, "refusion_setup", None) is None and setup_of(model).prepared is False
+
+
+@needs_native
+def test_fp32_int4_decodes_the_exact_mode_and_batches_as_autoregressive_decoding(tmp_path, monkeypatch):
+    """fp32 with exact attention: every layer, the Q8_0 LM head too, multiplies by the file's blocks, every row as
+    alone, so the exact mode is AR decoding and a batch decodes each sequence as alone; and the plain fp32 model
+    (the same weights, F.linear's order of summation) gives AR's logits to rounding."""
+    model, path = tiny_int4_llama(tmp_path, monkeypatch, torch.float32, head=True)
+    plain = tiny_model("llama", hidden_size=128, heads=4, kv_heads=2, attn_implementation=row_exact.EXACT_ATTENTION)
+    plain.load_state_dict(model.state_dict())
+    setup = prepare(model, weights_file=path, linear="int4")
+    assert setup.kernels.linear == "int4" and "15 of 15" in setup.kernels.reason and setup.row_exact
+    prompts = [[1, 5, 7, 9], [1, 3, 4, 5, 6, 7, 8, 10, 11], [9, 12, 13]]
+    ar = refusion.DecodeConfig(max_new_tokens=24, strategy="autoregressive", eos_token_id=2)
+    alone = [refusion.generate(model, [p], ar).sequences[0] for p in prompts]
+    for draft_length in (1, 4):
+        cfg = refusion.DecodeConfig(max_new_tokens=24, strategy="speculative", draft_length=draft_length,
+                                    eos_token_id=2)
+        assert refusion.generate(model, prompts, cfg).sequences == alone, draft_length
+    assert refusion.generate(model, prompts, ar).sequences == alone
+    ids = torch.tensor([prompts[1]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -176,3 +243,17 @@ def test_the_embedded_model_decodes_with_its_shipped_blocks():
     ar = refusion.generate(model, ids, strategy="autoregressive", max_new_tokens=24).sequences
     assert setup.row_exact == row_exact.packing_available()
     assert refusion.generate(model, ids, strategy="speculative", max_new_tokens=24).sequences == ar
+
+
+@needs_native
+@pytest.mark.slow
+def test_the_embedded_model_in_fp32_multiplies_its_shipped_blocks_head_too():
+    """fp32: the 210 Q4_1 layers and the Q8_0 head (the embedding's blocks, plus the mask token's row) by refusion's
+    kernel: the plain fp32 model's weights, so its greedy answer is the plain model's here."""
+    model, tokenizer = refusion.load(linear="int4", dtype="float32")
+    setup = setup_of(model)
+    assert setup.kernels.linear == "int4" and "211 of 211" in setup.kernels.reason
+    ids = refusion.encode_prompts(tokenizer, "Name three colors.")
+    ours = refusion.generate(model, ids, strategy="autoregressive", max_new_tokens=24).sequences
+    plain, _ = refusion.load(linear="plain", dtype="float32")
+    assert refusion.generate(plain, ids, strategy="autoregressive", max_new_tokens=24).sequences == ours

@@ -11,7 +11,7 @@ import pytest
 from torch import nn
 
 from refusion.model.kernels import registry
-from refusion.model.kernels.extension import SOURCE
+from refusion.model.kernels.extension import SOURCES
 from refusion.model.kernels.narrow import NarrowLinear, use_narrow_linears
 from refusion.model.setup import plain_setup
 from refusion.model.tiny import tiny_model
@@ -21,7 +21,7 @@ def test_every_kernel_has_a_name_a_class_and_a_code_the_cpp_layers_know():
     names = [k.name for k in registry.LINEAR_KERNELS]
     assert len(set(names)) == len(names) and ("auto", *names) == registry.LINEAR_CHOICES
     constants = {name.lower(): int(value) for name, value in
-                 re.findall(r"constexpr int64_t k(Plain|Packed|Int4|Sgemm|Narrow) = (\d+);", SOURCE.read_text())}
+                 re.findall(r"constexpr int64_t k(Plain|Packed|Int4|Sgemm|Narrow) = (\d+);", SOURCES[0].read_text())}
     assert constants == {k.name: k.native_code for k in registry.LINEAR_KERNELS}
     for kernel in registry.LINEAR_KERNELS:
         assert issubclass(kernel.layer_class, nn.Linear) and registry.kernel(kernel.name) is kernel

@@ -34,7 +34,7 @@ def choose_linear_kernel(model, linear: str = "auto", weights_file: str | Path |
     if linear == "int4":
         switched, total = use_shipped_int4(model, weights_file)
         use_packed_linears(model)  # the layers the file does not ship in 4 bits (embedding / LM head, adapters)
-        return "int4", f"{PINNED}: {switched} of {total} linear layers multiply by the file's 4-bit blocks"
+        return "int4", f"{PINNED}: {switched} of {total} linear layers multiply by the file's blocks"
     if linear == "plain":
         return "plain", PINNED
     if linear in ("auto", "packed"):
@@ -138,9 +138,12 @@ def use_shipped_int4(model, weights_file: str | Path | None) -> tuple[int, int]:
     if weights_file is None or not str(weights_file).endswith(".gguf"):
         raise ValueError("linear='int4' multiplies by the 4-bit blocks of a GGUF file (Q4_0 / Q4_1): load a .gguf "
                          "model (or the embedded one, whose base is one)")
-    if parameter.device.type != "cpu" or parameter.dtype != torch.bfloat16 or not int4_available():
-        raise ValueError("linear='int4' runs torch's int4 CPU kernel with bf16 activations: load with "
-                         "device='cpu' and dtype='bfloat16'")
+    if parameter.device.type != "cpu" or parameter.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError("linear='int4' multiplies on the CPU, in fp32 or bf16: load with device='cpu' and "
+                         "dtype='float32' or 'bfloat16'")
+    if parameter.dtype == torch.bfloat16 and not int4_available():
+        raise ValueError("linear='int4' in bf16 runs torch's int4 CPU kernel, which this torch build lacks: load "
+                         "with dtype='float32'")
     total = sum(isinstance(m, nn.Linear) for m in model.modules())
     switched = use_int4_linears(model, shipped_int4(weights_file, model))
     if switched == 0:

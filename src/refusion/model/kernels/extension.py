@@ -1,5 +1,6 @@
-"""The C++ extension of refusion (`csrc/decoder_layers.cpp`), built and loaded here for the modules that call it:
-the compact forward's decoder layers (`model.kernels.native`) and the mask-gated adapter's updates (`model.kernels.gated_lora`).
+"""The C++ extension of refusion (`csrc/`), built and loaded here for the modules that call it: the compact forward's
+decoder layers (`model.kernels.native`), the mask-gated adapter's updates (`model.kernels.gated_lora`) and fp32
+products by a GGUF file's blocks (`model.kernels.int4`).
 
 It is compiled once per machine, torch version and source (~30 s with g++; `ninja` is a dependency) into torch's
 extension directory (`TORCH_EXTENSIONS_DIR`, else ~/.cache/torch_extensions) and loaded from there afterwards.
@@ -20,7 +21,10 @@ import torch
 
 from refusion.cache_dirs import OFF_VALUES
 
-SOURCE = Path(__file__).parent / "csrc" / "decoder_layers.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "decoder_layers.cpp", CSRC / "block_products.cpp")
+"""The extension's translation units (`block_products.h` is read into its build tag with them)."""
+HEADERS = (CSRC / "block_products.h",)
 EXTENSION = "refusion_native"
 """The extension's module name (and its folder under torch's extension directory)."""
 NATIVE_ENV = "REFUSION_NATIVE"
@@ -57,7 +61,7 @@ def native_extension():
         if not (directory / f"{EXTENSION}.so").exists():
             print("refusion: compiling the native decoder layers (once per machine and torch version, ~30 s)",
                   file=sys.stderr, flush=True)
-        return cpp_extension.load(EXTENSION, [str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=list(OPENMP),
+        return cpp_extension.load(EXTENSION, [str(path) for path in SOURCES], extra_cflags=list(CFLAGS), extra_ldflags=list(OPENMP),
                                   build_directory=str(directory), verbose=False)  # copies: load extends them
     except Exception as e:  # no compiler, no ninja, a build error: the Python loop decodes the same tokens
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -102,7 +106,7 @@ def _import_built(path: Path):
 def build_tag() -> str:
     """The extension's build tag: a digest of its source, compiler flags, torch's and Python's versions (the
     folder it is built in, and part of the calibration record's key for what it computes)."""
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     return hashlib.sha256(source + " ".join(CFLAGS).encode() + torch.__version__.encode()
                           + sys.version.encode()).hexdigest()[:16]
 

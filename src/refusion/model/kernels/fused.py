@@ -35,7 +35,15 @@ import torch
 from torch import nn
 
 from refusion.model.kernels.gated_lora import MaskGatedLoRA
-from refusion.model.kernels.int4 import GROUP, STALE_BLOCKS
+from refusion.model.kernels.int4 import (
+    GROUP,
+    STALE_BLOCKS,
+    Int4Blocks,
+    block_product,
+    native_blocks,
+    pack_fp32,
+    takes_rows,
+)
 from refusion.model.kernels.narrow import MAX_ROWS as NARROW_MAX_ROWS
 from refusion.model.kernels.narrow import narrow_product
 from refusion.model.kernels.registry import kernel_of_layer
@@ -110,6 +118,8 @@ class FusedProduct:
             out = chunked_product(flat, self.weight, self.bias, self.rows)
         elif self.kind == "narrow":
             out = narrow_product(flat, self.weight, self.bias, self.padded_rows, self.packed_from, self._packed)
+        elif x.dtype == torch.float32:
+            out = block_product(flat, self.weight, self.scales, self.bias)
         else:
             out = torch._weight_int4pack_mm_for_cpu(flat.contiguous(), self.weight, GROUP, self.scales)
             if self.bias is not None:
@@ -120,14 +130,17 @@ class FusedProduct:
         return parts
 
     def computes(self, x: torch.Tensor) -> bool:
-        """Whether the fused kernel takes this input: an inference forward on the CPU of bf16 rows (packed, int4)
-        or of at most narrow.MAX_ROWS rows of the weights' dtype (narrow; any number with packed copies)."""
+        """Whether the fused kernel takes this input: an inference forward on the CPU of bf16 rows (packed), of rows
+        the blocks' kernel takes (int4: `int4.takes_rows`), or of at most narrow.MAX_ROWS rows of the weights'
+        dtype (narrow; any number with packed copies)."""
         if x.device.type != "cpu" or torch.is_grad_enabled() or x.numel() == 0:
             return False
         if self.kind == "narrow":
             rows = x.numel() // self.in_features
             return x.dtype == self.bases[0]._parameters["weight"].dtype and (rows <= NARROW_MAX_ROWS
                                                                                or self.packed_from > 0)
+        if self.kind == "int4":
+            return takes_rows(x, self.bases[0]._buffers["int4_scales"])
         return x.dtype == torch.bfloat16
 
     def _packed(self) -> torch.Tensor | None:
@@ -177,7 +190,8 @@ class FusedProduct:
                     base.packed_weight, base.packed_key = None, None
             return
         self.weight = torch.cat([b._buffers["int4_weight"] for b in self.bases])  # packed row by row
-        self.scales = torch.cat([b._buffers["int4_scales"] for b in self.bases], 1).contiguous()
+        scales = [b._buffers["int4_scales"] for b in self.bases]  # bf16: [K/GROUP, N, 2]; fp32: [N, K/GROUP, 2]
+        self.scales = torch.cat(scales, 1 if scales[0].dtype == torch.bfloat16 else 0).contiguous()
         start = 0
         for base, rows in zip(self.bases, self.splits):  # the members read their rows of the fused weight
             base._buffers["int4_weight"] = self.weight[start:start + rows]
@@ -297,6 +311,19 @@ def probe_fusion(kind: str, in_features: int, out_features: tuple[int, ...], bia
             b = biases.split(out_features) if bias else [None] * len(out_features)
             own = torch.cat([chunked_product(x[:n], w, bb, r) for w, bb, r in zip(alone, b, rows)], -1)
             return own, chunked_product(x[:n], fused, biases, fused_rows)
+    elif kind == "int4" and dtype == torch.float32:
+        if native_blocks() is None:
+            return False
+        q = torch.randint(0, 16, (total, in_features), generator=generator, dtype=torch.int32)
+        scale, offset = torch.rand(2, total, in_features // GROUP, generator=generator)
+        fused, fused_dm = pack_fp32(Int4Blocks(q, scale, offset))
+        parts = list(zip(fused.split(out_features), fused_dm.split(out_features)))
+        x = x.float()
+
+        def products(n: int):
+            b = biases.float().split(out_features) if bias else [None] * len(out_features)
+            own = torch.cat([block_product(x[:n], w, dm, bb) for (w, dm), bb in zip(parts, b)], -1)
+            return own, block_product(x[:n], fused, fused_dm, biases.float() if bias else None)
     elif kind == "int4":
         q = torch.randint(0, 16, (total, in_features), generator=generator, dtype=torch.int32)
         scales = torch.rand(in_features // GROUP, total, 2, generator=generator).to(torch.bfloat16)

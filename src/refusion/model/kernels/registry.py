@@ -77,10 +77,10 @@ LINEAR_KERNELS: tuple[LinearKernel, ...] = (
     LinearKernel("sgemm", f"{_KERNELS}.sgemm:SgemmLinear", ("cpu",), ("float32",), "MKL",
                  f"{_KERNELS}.sgemm:sgemm_available", row_exact=False, rows_probe=None, native_code=3, fuses=False,
                  auto=True, summary="fp32 weights packed once for MKL: F.linear's bits, faster"),
-    LinearKernel("int4", f"{_KERNELS}.int4:Int4Linear", ("cpu",), ("bfloat16",),
-                 "torch's int4 CPU kernel (a GGUF file's Q4_0 / Q4_1 blocks)", f"{_KERNELS}.int4:int4_available",
-                 row_exact=True, rows_probe=f"{_KERNELS}.int4:int4_rows_match", native_code=2, fuses=True,
-                 auto=False, summary="products by the GGUF file's 4-bit blocks (other numbers than bf16 weights)"),
+    LinearKernel("int4", f"{_KERNELS}.int4:Int4Linear", ("cpu",), ("bfloat16", "float32"),
+                 "a GGUF file's Q4_0 / Q4_1 blocks; bf16: torch's int4 CPU kernel; fp32: refusion's C++ extension",
+                 None, row_exact=True, rows_probe=f"{_KERNELS}.int4:int4_rows_match", native_code=2, fuses=True,
+                 auto=False, summary="products by the GGUF file's 4-bit blocks (other rounding than the plain weights)"),
 )
 """Every linear kernel. A model whose layers run several reports the last of them (int4 leaves the layers its file
 does not ship packed; no other two share a model)."""

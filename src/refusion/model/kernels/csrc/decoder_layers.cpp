@@ -7,6 +7,8 @@
 
 #include <torch/extension.h>
 
+#include "block_products.h"
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -24,7 +26,7 @@ namespace {
 // kinds of product (registry.py: LinearKernel.native_code)
 constexpr int64_t kPlain = 0;   // F.linear on the weight as it is
 constexpr int64_t kPacked = 1;  // row_exact.PackedLinear: the oneDNN-packed bf16 weight, chunks of exact rows
-constexpr int64_t kInt4 = 2;    // int4.Int4Linear: the 4-bit blocks
+constexpr int64_t kInt4 = 2;    // int4.Int4Linear: the file's blocks (bf16: torch's int4 kernel; fp32: block_products)
 constexpr int64_t kSgemm = 3;   // sgemm.SgemmLinear: MKL's packed fp32 weight where it gives F.linear's bits
 constexpr int64_t kNarrow = 4;  // narrow.NarrowLinear: weight-major (W @ x.T).T for narrow forwards, maybe padded
 
@@ -44,7 +46,7 @@ struct Update {
 struct Product {
   int64_t kind;
   Tensor weight;                // plain weight, packed weight or 4-bit blocks
-  Tensor scales;                // int4: the blocks' scales and zeros
+  Tensor scales;                // int4: the blocks' scales and zeros (bf16), or scales and offsets (fp32)
   c10::optional<Tensor> bias;
   int64_t rows;                 // packed: rows per exact chunk (row_exact.ExactRows.high); narrow: narrow.MAX_ROWS
   int64_t low_rows;             // packed: narrower products padded with zero rows to this many (ExactRows.low);
@@ -461,6 +463,8 @@ std::vector<Tensor> product(const Product& p, const Tensor& x, const MaskRows& m
     Tensor flat = x.reshape({-1, x.size(-1)});
     if (p.kind == kPacked) {
       out = chunked_product(flat, p);
+    } else if (flat.scalar_type() == at::kFloat) {  // Int4Linear.forward: int4.block_product
+      out = refusion::block_linear(flat, p.weight, p.scales, c10::nullopt, p.bias);
     } else {
       out = at::_weight_int4pack_mm_for_cpu(flat.contiguous(), p.weight, p.group, p.scales);
       if (p.bias) out = out + *p.bias;
@@ -1067,6 +1071,8 @@ class Stack {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Update>(m, "Update").def(py::init<int64_t, Tensor, Tensor>());
+  m.def("block_linear", &refusion::block_linear, "x @ w.T (+ bias) for fp32 rows and a GGUF file's blocks of w "
+        "(block_products.cpp)");
   m.def("mask_update", &mask_update, "out[rows] += (x[rows] @ a) @ b, a mask-gated adapter's update (see above)");
   py::class_<Product>(m, "Product")
       .def(py::init<int64_t, Tensor, Tensor, c10::optional<Tensor>, int64_t, int64_t, int64_t, std::vector<int64_t>,
