@@ -377,7 +377,7 @@ def main() -> None:
     parser.add_argument("--linear", default="auto",
                         help="refusion serve --linear (int4: the Q4_1 blocks llama-server multiplies by, the row to "
                              "compare with it; auto: the base model's own weights)")
-    parser.add_argument("--dtype", default=None, help="refusion serve --dtype (int4 needs bfloat16)")
+    parser.add_argument("--dtype", default=None, help="refusion serve --dtype (default: the CPU's; int4 runs fp32 and bf16)")
     parser.add_argument("--library", action="store_true",
                         help="also the server at one client against the preset in this process, request by request")
     parser.add_argument("--llama-server", default=None, help="a llama-server binary (llama.cpp) to compare with")

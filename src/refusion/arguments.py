@@ -88,8 +88,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "once per machine and recorded: `refusion calibrate`) or pinned: plain, packed "
                              "(bf16 on a CPU with native bf16, row-exact), narrow (weight-major few-token products), sgemm "
                              "(fp32 weights packed once for MKL, F.linear's bits), int4 "
-                             "(a GGUF model's 4-bit blocks multiplied directly, bf16 CPU: faster, rounds "
-                             "differently from bf16 weights)")
+                             "(a GGUF model's blocks multiplied directly on the CPU: faster; fp32: the same "
+                             "weights summed in another order, bf16: other rounding than bf16 weights)")
     parser.add_argument("--attention", default=None, metavar="IMPL",
                         help="attention implementation: sdpa, eager or refusion_exact (default: refusion_exact for "
                              "bf16 on a CPU with native bf16, else sdpa)")

@@ -150,7 +150,7 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
         attn_implementation: "sdpa", "eager" or "refusion_exact"; None: `default_attention(device, dtype)`.
         linear: the linear kernel, "auto" (chosen by the CPU's features, and where that does not decide, by probes
             timed once per machine and recorded: `refusion.model.calibration`) or pinned: "plain", "packed", "narrow", "sgemm", or
-            "int4" (a GGUF source's 4-bit blocks multiplied directly: faster on the CPU, other rounding than bf16;
+            "int4" (a GGUF source's blocks multiplied directly: faster on the CPU, other rounding than the plain kernels;
             `refusion.model.kernels.int4`) (`refusion.model.setup.prepare`).
         compile: decode through `torch.compile` over fixed shapes (CUDA graphs on a GPU: `refusion.model.compiled`);
             each width's first forward compiles. Off by default (docs/DECODING.md, "Compiled forwards").
