@@ -53,8 +53,9 @@ def model_with(kind: str, family: str = "llama", seed: int = 0):
             n, k = layer.weight.shape
             low, high = (-128, 128) if head else (0, 16)
             blocks = int4.Int4Blocks(torch.randint(low, high, (n, k), generator=generator, dtype=torch.int32),
-                                     torch.rand(n, k // int4.GROUP, generator=generator) / 50,
-                                     torch.randn(n, k // int4.GROUP, generator=generator) / 10, 8 if head else 4)
+                                     (torch.rand(n, k // int4.GROUP, generator=generator) / 50).half().float(),
+                                     (torch.randn(n, k // int4.GROUP, generator=generator) / 10).half().float(),
+                                     8 if head else 4)
             with torch.no_grad():
                 layer.weight.copy_(blocks.dequantize())
             int4.switch_to_int4(layer, *int4.pack(blocks, dtype))

@@ -315,7 +315,7 @@ def probe_fusion(kind: str, in_features: int, out_features: tuple[int, ...], bia
         if native_blocks() is None:
             return False
         q = torch.randint(0, 16, (total, in_features), generator=generator, dtype=torch.int32)
-        scale, offset = torch.rand(2, total, in_features // GROUP, generator=generator)
+        scale, offset = torch.rand(2, total, in_features // GROUP, generator=generator).half().float()
         fused, fused_dm = pack_fp32(Int4Blocks(q, scale, offset))
         parts = list(zip(fused.split(out_features), fused_dm.split(out_features)))
         x = x.float()

@@ -110,12 +110,17 @@ class Int4Linear(nn.Linear):
         return self._parameters["weight"].detach()[blocked:] if blocked < self.out_features else None
 
 
+ROWS_OF_SCALES = {torch.bfloat16: torch.bfloat16, torch.float16: torch.float32}
+"""The rows' dtype each layout of scales multiplies: torch's (bf16 scales and zeros) bf16 rows, refusion's (the
+file's fp16 scales and offsets) fp32 rows."""
+
+
 def takes_rows(x: torch.Tensor, scales: torch.Tensor) -> bool:
     """Whether an inference product of `x` runs by the blocks whose scales are `scales` (bf16 rows with torch's
     layout, fp32 rows with refusion's where its extension runs); otherwise the plain weight multiplies."""
-    if x.device.type != "cpu" or torch.is_grad_enabled() or x.numel() == 0 or x.dtype != scales.dtype:
+    if x.device.type != "cpu" or torch.is_grad_enabled() or x.numel() == 0 or x.dtype != ROWS_OF_SCALES[scales.dtype]:
         return False
-    return x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and native_blocks() is not None)
+    return x.dtype == torch.bfloat16 or native_blocks() is not None
 
 
 def native_blocks():
@@ -175,14 +180,18 @@ def pack(blocks: Int4Blocks, dtype: torch.dtype = torch.bfloat16) -> tuple[torch
 def pack_fp32(blocks: Int4Blocks) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, dm) as `csrc/block_products.cpp` takes them: q [N, K/2] uint8 in ggml's order (a block's weights 0-15 in
     the low nibbles of its 16 bytes, 16-31 in the high ones) or [N, K] int8 (8-bit blocks); dm [N, K/GROUP, 2]
-    fp32, each block's (scale, offset)."""
+    fp16, each block's (scale, offset): the file's own fp16 numbers (Q4_0's offset -8 d is exact in fp16 too)."""
     rows, features = blocks.q.shape
     if blocks.bits == 8:
         q = blocks.q.to(torch.int8).contiguous()
     else:
         halves = blocks.q.reshape(rows, features // GROUP, 2, GROUP // 2)
         q = (halves[:, :, 0] | (halves[:, :, 1] << 4)).to(torch.uint8).reshape(rows, features // 2).contiguous()
-    return q, torch.stack([blocks.scale, blocks.offset], -1).contiguous()
+    dm = torch.stack([blocks.scale, blocks.offset], -1)
+    half = dm.to(torch.float16)
+    if not torch.equal(half.float(), dm):
+        raise ValueError("block scales or offsets that fp16 does not hold exactly: not a GGUF file's blocks")
+    return q, half.contiguous()
 
 
 def packed_shape(packed: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, int]:
@@ -236,7 +245,7 @@ def shipped_int4(path: str | Path, model: nn.Module) -> dict[str, tuple[torch.Te
                 packed[name] = pack(blocks, dtype)
         return (packed,)
 
-    inputs = {"gguf": str(path.resolve()), "kernel": "int4", "dtype": str(dtype),
+    inputs = {"gguf": str(path.resolve()), "kernel": "int4", "dtype": str(dtype), "layout": PACK_LAYOUT,
               "layers": sorted(_file_layer_shapes(model))}
     key = {"versions": build_cache.versions("refusion", "torch", "gguf", "safetensors"),
            "base_files": [build_cache.file_identity(path)]}
@@ -251,6 +260,8 @@ def _file_layer_shapes(model: nn.Module) -> set[str]:
 
 
 PACKED_FILE = "int4.safetensors"
+PACK_LAYOUT = 2
+"""Part of the cached blocks' inputs: bump when `pack` changes what it returns (2: fp32 models' scales in fp16)."""
 
 
 def _save_packed(built: tuple, directory: Path) -> None:
@@ -350,7 +361,7 @@ def int4_rows_match(rows: int = 32) -> bool:
     refusion's (fp32 models), which needs its C++ extension (without it, fp32 layers multiply by F.linear)."""
     generator = torch.Generator().manual_seed(0)
     q = torch.randint(0, 16, (64, 4 * GROUP), generator=generator, dtype=torch.int32)
-    scale, offset = torch.rand(2, 64, 4, generator=generator)
+    scale, offset = torch.rand(2, 64, 4, generator=generator).half().float()  # fp16, as a file holds
     blocks = Int4Blocks(q, scale, offset)
     x = torch.randn(rows, 4 * GROUP, generator=generator)
 

@@ -1,7 +1,8 @@
 // Products by a GGUF file's weight blocks with fp32 activations: the linear kernel "int4" of fp32 models
 // (refusion/model/kernels/int4.py says where it runs).
 //
-// A block of 32 weights is dequantized to fp32 as gguf dequantizes it (d * q is exact in fp32; + m rounds once), and
+// A block of 32 weights is dequantized to fp32 as gguf dequantizes it (d * q is exact in fp32; + m rounds once; d and m
+// are the file's fp16 numbers, or -8 d for Q4_0, also exact in fp16), and
 // every output element out[r, n] is summed the same way whatever the rows, the outputs and the threads of the call:
 // 8 lanes, lane l accumulating x[r, k] * w[n, k] over k = l (mod 8) in increasing k with fused multiply-adds, then
 // the lanes added in a fixed tree. So each row comes out bit for bit as it would alone (the exact mode's verify rows
@@ -31,12 +32,13 @@ constexpr int64_t kBlock = 32;     // weights per block
 constexpr int64_t kLanes = 8;      // lanes of each accumulator
 constexpr int64_t kTile = 8;       // outputs dequantized together (N must be a multiple)
 constexpr int64_t kRowBlock = 64;  // rows multiplied by a tile before the next rows (kept in the CPU cache)
+constexpr int64_t kMaxBlocks = 2048;  // blocks per row of the weight (K up to 65,536 features)
 
 // ------------------------------------------------------------------------------------------------ any CPU
 // w[k] of one output: 4-bit blocks (16 bytes each) or 8-bit ones (32 signed bytes each)
-void dequantize_portable(const uint8_t* q, bool four_bit, const float* dm, int64_t K, float* w) {
+void dequantize_portable(const uint8_t* q, bool four_bit, const at::Half* dm, int64_t K, float* w) {
   for (int64_t b = 0; b < K / kBlock; ++b) {
-    float d = dm[2 * b], m = dm[2 * b + 1];
+    float d = static_cast<float>(dm[2 * b]), m = static_cast<float>(dm[2 * b + 1]);
     for (int64_t j = 0; j < kBlock; ++j) {
       int v;
       if (four_bit) {
@@ -70,31 +72,43 @@ void tile_portable(const float* x, int64_t rows, int64_t K, const float* w, floa
 
 #ifdef REFUSION_X86_BLOCKS
 // ------------------------------------------------------------------------------------------------ AVX2 and FMA
-#define REFUSION_AVX2 __attribute__((target("avx2,fma")))
+#define REFUSION_AVX2 __attribute__((target("avx2,fma,f16c")))
 
-REFUSION_AVX2 void dequantize_avx2(const uint8_t* q, bool four_bit, const float* dm, int64_t K, float* w) {
-  const __m128i nibble = _mm_set1_epi8(15);
+// the four vectors of weights 8i..8i+7 of block b of one output's row of blocks: (float) q * d + m
+REFUSION_AVX2 inline void block_weights_avx2(const uint8_t* q, bool four_bit, int64_t b, __m256 d, __m256 m,
+                                             __m256* w) {
+  __m256i v[4];
+  if (four_bit) {
+    const __m128i nibble = _mm_set1_epi8(15);
+    __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
+    __m128i low = _mm_and_si128(raw, nibble), high = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
+    v[0] = _mm256_cvtepu8_epi32(low);
+    v[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(low, 8));
+    v[2] = _mm256_cvtepu8_epi32(high);
+    v[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(high, 8));
+  } else {
+    __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * kBlock));
+    __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * kBlock + 16));
+    v[0] = _mm256_cvtepi8_epi32(first);
+    v[1] = _mm256_cvtepi8_epi32(_mm_srli_si128(first, 8));
+    v[2] = _mm256_cvtepi8_epi32(second);
+    v[3] = _mm256_cvtepi8_epi32(_mm_srli_si128(second, 8));
+  }
+  for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v[i]), d, m);
+}
+
+REFUSION_AVX2 void dequantize_avx2(const uint8_t* q, bool four_bit, const at::Half* half_dm, int64_t K, float* w) {
+  float dm[kMaxBlocks * 2];  // the row's (d, m) widened to fp32, 8 at a time
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(half_dm);
+  int64_t i = 0;
+  for (; i + 8 <= (K / kBlock) * 2; i += 8) {
+    _mm256_storeu_ps(dm + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + i))));
+  }
+  for (; i < (K / kBlock) * 2; ++i) dm[i] = _cvtsh_ss(bits[i]);
   for (int64_t b = 0; b < K / kBlock; ++b) {
-    __m256 d = _mm256_set1_ps(dm[2 * b]), m = _mm256_set1_ps(dm[2 * b + 1]);
-    __m256i v[4];
-    if (four_bit) {
-      __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
-      __m128i low = _mm_and_si128(raw, nibble), high = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
-      v[0] = _mm256_cvtepu8_epi32(low);
-      v[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(low, 8));
-      v[2] = _mm256_cvtepu8_epi32(high);
-      v[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(high, 8));
-    } else {
-      __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * kBlock));
-      __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * kBlock + 16));
-      v[0] = _mm256_cvtepi8_epi32(first);
-      v[1] = _mm256_cvtepi8_epi32(_mm_srli_si128(first, 8));
-      v[2] = _mm256_cvtepi8_epi32(second);
-      v[3] = _mm256_cvtepi8_epi32(_mm_srli_si128(second, 8));
-    }
-    for (int i = 0; i < 4; ++i) {
-      _mm256_storeu_ps(w + b * kBlock + i * kLanes, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v[i]), d, m));
-    }
+    __m256 values[4];
+    block_weights_avx2(q, four_bit, b, _mm256_set1_ps(dm[2 * b]), _mm256_set1_ps(dm[2 * b + 1]), values);
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(w + b * kBlock + j * kLanes, values[j]);
   }
 }
 
@@ -137,12 +151,13 @@ REFUSION_AVX2 void tile_avx2(const float* x, int64_t rows, int64_t K, const floa
 }
 
 bool has_avx2() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c");
   return has;
 }
 #else
 bool has_avx2() { return false; }
-void dequantize_avx2(const uint8_t*, bool, const float*, int64_t, float*) {}
+void dequantize_avx2(const uint8_t*, bool, const at::Half*, int64_t, float*) {}
 void tile_avx2(const float*, int64_t, int64_t, const float*, float*, int64_t) {}
 #endif
 
@@ -150,11 +165,12 @@ void tile_avx2(const float*, int64_t, int64_t, const float*, float*, int64_t) {}
 
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& dm,
                         const c10::optional<at::Tensor>& tail, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && dm.scalar_type() == at::kFloat, "block_linear: fp32 rows and scales");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && dm.scalar_type() == at::kHalf,
+              "block_linear: fp32 rows and fp16 scales");
   const int64_t K = x.size(-1), blocked = q.size(0);
   const bool four_bit = q.scalar_type() == at::kByte;
   TORCH_CHECK(four_bit || q.scalar_type() == at::kChar, "block_linear: uint8 (4-bit) or int8 (8-bit) blocks");
-  TORCH_CHECK(K % kBlock == 0 && blocked % kTile == 0 && q.size(1) == (four_bit ? K / 2 : K) &&
+  TORCH_CHECK(K % kBlock == 0 && K <= kMaxBlocks * kBlock && blocked % kTile == 0 && q.size(1) == (four_bit ? K / 2 : K) &&
                   dm.numel() == blocked * (K / kBlock) * 2,
               "block_linear: blocks of shape ", q.sizes(), " for rows of ", K, " features");
   TORCH_CHECK(q.is_contiguous() && dm.is_contiguous(), "block_linear: contiguous blocks");
@@ -168,7 +184,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
   if (rows > 0) {
     const float* xs = flat.data_ptr<float>();
     const uint8_t* qs = reinterpret_cast<const uint8_t*>(q.data_ptr());
-    const float* dms = dm.data_ptr<float>();
+    const at::Half* dms = dm.data_ptr<at::Half>();
     const float* tails = dense.data_ptr<float>();
     float* outs = out.data_ptr<float>();
     const int64_t q_row = q.size(1), dm_row = (K / kBlock) * 2, tiles = blocked / kTile;

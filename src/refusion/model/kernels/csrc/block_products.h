@@ -7,7 +7,7 @@ namespace refusion {
 
 // x [..., K] fp32 times the weight [N, K] that `q` and `dm` hold as blocks of 32 weights, w = d * q + m:
 // q [N, K / 2] uint8 (4-bit blocks, ggml's order: a block's low nibbles are its weights 0-15, the high ones 16-31)
-// or q [N, K] int8 (8-bit blocks); dm [N, K / 32, 2] fp32 (d, m); then `tail` [T, K] fp32, rows of the weight as
+// or q [N, K] int8 (8-bit blocks); dm [N, K / 32, 2] fp16 (d, m); then `tail` [T, K] fp32, rows of the weight as
 // they are. Returns [..., N + T] fp32 (plus `bias` where given).
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& dm,
                         const c10::optional<at::Tensor>& tail, const c10::optional<at::Tensor>& bias);
