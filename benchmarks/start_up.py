@@ -115,12 +115,15 @@ def main() -> None:
     parser.add_argument("--llama-no-repack", action="store_true",
                         help="llama.cpp without its weight repacking (a CPU where repacking fails)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's threads")
+    parser.add_argument("--linear", default=None, help="the refusion commands' --linear (default: theirs, auto)")
     args = parser.parse_args()
     exit_on_sigterm()
     directory = tempfile.mkdtemp(prefix="refusion-engine-bench-")
     env = {**os.environ, "REFUSION_ENGINE_DIR": directory, "REFUSION_KEEP_ALIVE": "10m"}
     cold_env = {**env, "REFUSION_KEEP_ALIVE": "0"}
-    main_command, first_command = ["generate", MAIN_PROMPT, "--stats"], ["generate", MAIN_PROMPT, "--max-new-tokens", "1"]
+    kernel = ["--linear", args.linear] if args.linear else []
+    main_command = ["generate", MAIN_PROMPT, "--stats", *kernel]
+    first_command = ["generate", MAIN_PROMPT, "--max-new-tokens", "1", *kernel]
     binary = Path(args.llama_cpp) / "llama-completion" if args.llama_cpp else None
     rows: dict[str, list[dict]] = defaultdict(list)
     try:
@@ -147,7 +150,7 @@ def main() -> None:
         subprocess.run(refusion("stop"), env=env, capture_output=True)
     answers = {name: {answer_of(r["out"]) for r in rows[name]} for name in ("cold", "warm")}
     report = {
-        "benchmark": "start_up", "cpu": cpu_name(), "runs": args.runs, "threads": args.threads,
+        "benchmark": "start_up", "cpu": cpu_name(), "runs": args.runs, "threads": args.threads, "linear": args.linear,
         "llama_repack": not args.llama_no_repack if binary else None,
         "seconds": {name: summary([r["seconds"] for r in runs]) for name, runs in rows.items()},
         "peak_mib": {name: summary([r["peak_mib"] for r in runs]) for name, runs in rows.items()},

@@ -234,6 +234,25 @@ def test_fp32_int4_decodes_the_exact_mode_and_batches_as_autoregressive_decoding
         torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+@needs_native
+def test_auto_multiplies_fp32_gguf_models_by_their_blocks_and_nothing_else(tmp_path, monkeypatch):
+    """"auto" takes int4 for an fp32 model whose weights are its GGUF file's blocks, where the kernel runs vectorized;
+    a bf16 model, a model without a GGUF file, and one whose weights are no longer the file's get the other kernels."""
+    model, path = tiny_int4_llama(tmp_path, monkeypatch, torch.float32, head=True)
+    setup = prepare(model, weights_file=path)
+    assert (setup.kernels.linear == "int4") == int4.blocks_vectorized()
+    if setup.kernels.linear == "int4":
+        assert "15 of 15" in setup.kernels.reason
+    bf16, bf16_path = tiny_int4_llama(tmp_path, monkeypatch)
+    assert prepare(bf16, weights_file=bf16_path).kernels.linear != "int4"
+    assert prepare(tiny_model("llama", hidden_size=128, heads=4, kv_heads=2)).kernels.linear != "int4"
+    merged, merged_path = tiny_int4_llama(tmp_path, monkeypatch, torch.float32, head=True)
+    with torch.no_grad():
+        merged.model.layers[0].mlp.up_proj.weight.mul_(1.5)  # an adapter merged into it
+    assert prepare(merged, weights_file=merged_path).kernels.linear != "int4"
+    assert not any(isinstance(m, Int4Linear) for m in merged.modules())
+
+
 @pytest.mark.slow
 def test_the_embedded_model_decodes_with_its_shipped_blocks():
     model, tokenizer = refusion.load(linear="int4", dtype="bfloat16")  # int4's activations are bf16 on every CPU

@@ -28,7 +28,7 @@ def test_every_kernel_has_a_name_a_class_and_a_code_the_cpp_layers_know():
         assert kernel.devices and kernel.dtypes and kernel.summary
         assert isinstance(kernel.is_available(), bool)
     assert registry.kernel("packed").row_exact and not registry.kernel("plain").row_exact
-    assert not registry.kernel("int4").auto  # other numbers than the weights': only when pinned
+    assert registry.kernel("int4").auto  # fp32 GGUF models only (`choice.fp32_blocks`; tests/model/test_int4.py)
     with pytest.raises(KeyError, match="no linear kernel 'fast'"):
         registry.kernel("fast")
     with pytest.raises(ValueError, match="linear='fast' is invalid: must be one of auto, plain"):

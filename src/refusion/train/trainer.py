@@ -143,7 +143,9 @@ def load_model_and_tokenizer(name: str):
     accelerate shards it, `save_pretrained` writes it)."""
     from refusion.model.loading import load
 
-    return load(name, dtype=torch.float32, device="cpu", implementation="transformers")
+    # plain linear layers: training's forwards are wide (F.linear whatever the kernel), and its updates would leave
+    # a GGUF file's blocks ("auto" multiplies fp32 GGUF models by them) describing weights that are gone
+    return load(name, dtype=torch.float32, device="cpu", implementation="transformers", linear="plain")
 
 
 def apply_lora(model, config: TrainConfig, mask_token_id: int):

@@ -1,10 +1,12 @@
 """Which linear kernel a model gets (`choose_linear_kernel`), and whether its forwards are row-exact.
 
 "auto" decides by what the machine is, never by how busy it is: bf16 weights on a CPU with native bf16 (AMX or
-AVX512-BF16, where packed products are exact row by row: deterministic probes) are packed (`row_exact`). Elsewhere
-the choice between weight-major (`narrow`), MKL-packed (`sgemm`) and plain products needs a clock; it is timed
-once per machine and model and recorded (`model.calibration`), and every later process applies the recorded
-decision without timing anything.
+AVX512-BF16, where packed products are exact row by row: deterministic probes) are packed (`row_exact`). fp32
+weights loaded from a GGUF file's 4-bit blocks, on a CPU whose refusion block kernel is vectorized (AVX2 and FMA),
+multiply by those blocks (`int4`: the same weights bit for bit, summed in another order as the other fp32 kernels
+sum them, at a fraction of the bytes). Elsewhere the choice between weight-major (`narrow`), MKL-packed (`sgemm`)
+and plain products needs a clock; it is timed once per machine and model and recorded (`model.calibration`), and
+every later process applies the recorded decision without timing anything.
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ def choose_linear_kernel(model, linear: str = "auto", weights_file: str | Path |
         return "int4", f"{PINNED}: {switched} of {total} linear layers multiply by the file's blocks"
     if linear == "plain":
         return "plain", PINNED
+    if linear == "auto":
+        chosen = fp32_blocks(model, weights_file)
+        if chosen is not None:
+            return chosen
     if linear in ("auto", "packed"):
         if use_packed_linears(model):
             return "packed", (PINNED if linear == "packed" else
@@ -124,6 +130,26 @@ def describe_choice(decision, *, measured_now: bool) -> tuple[str, str]:
     if name == "sgemm":
         return "sgemm", f"fp32 on a CPU with MKL: weights packed once, products F.linear's bits (measured faster; {when})"
     return "plain", f"weights that fit in the CPU cache, or weight-major and packed products measured no faster ({when})"
+
+
+def fp32_blocks(model, weights_file: str | Path | None) -> tuple[str, str] | None:
+    """"auto" for an fp32 CPU model loaded from a GGUF file: ("int4", why) where the file's 4-bit blocks are the
+    model's weights and refusion's block kernel runs vectorized here (facts of the file and the CPU, no timing);
+    None otherwise (no GGUF, no 4-bit blocks, weights that are not the file's, another dtype or device)."""
+    import torch
+
+    from refusion.model.kernels.int4 import blocks_vectorized
+
+    parameter = next(model.parameters())
+    if (weights_file is None or not str(weights_file).endswith(".gguf") or parameter.device.type != "cpu"
+            or parameter.dtype != torch.float32 or not blocks_vectorized()):
+        return None
+    try:
+        switched, total = use_shipped_int4(model, weights_file)
+    except ValueError:  # no 4-bit blocks in the file, or weights that are no longer the file's (a merged adapter)
+        return None
+    return "int4", (f"fp32 weights of a GGUF file's blocks on a CPU with AVX2: {switched} of {total} linear layers "
+                    "multiply by the blocks (the same weights, a fraction of the bytes)")
 
 
 def use_shipped_int4(model, weights_file: str | Path | None) -> tuple[int, int]:

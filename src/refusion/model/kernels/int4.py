@@ -22,8 +22,10 @@ ways chosen by the model's dtype (never by timing):
   C++ extension cannot be built, the layers multiply by their fp32 weight with F.linear (the same weights).
 
 Layers whose weights are not blocks in the file (adapter matrices; the Q8_0 head of a bf16 model) keep the kernel
-"auto" gives them. Either way "int4" changes how products round, so it is chosen by the user
-(`refusion.load(linear="int4")`, `--linear int4`), never by "auto". Before switching a layer, the blocks are checked
+"auto" gives them. Either way "int4" changes how products round. In bf16 it is the user's
+choice (`refusion.load(linear="int4")`, `--linear int4`), never "auto"'s; in fp32, whose weights are the plain
+load's, "auto" takes it where the kernel runs vectorized (`choice.fp32_blocks`), as it takes the other fp32 kernels
+that sum in their own order. Before switching a layer, the blocks are checked
 against the loaded weight, so a layer whose weight no longer is the file's (a merged adapter) is refused with a
 one-line error.
 """
@@ -128,6 +130,13 @@ def native_blocks():
     from refusion.model.kernels.extension import native_extension
 
     return native_extension()
+
+
+def blocks_vectorized() -> bool:
+    """Whether refusion's fp32 block kernel runs here, vectorized (its extension built, the CPU with AVX2, FMA and
+    F16C): where "auto" multiplies an fp32 GGUF model by its blocks (`choice.fp32_blocks`)."""
+    native = native_blocks()
+    return native is not None and bool(native.blocks_vectorized())
 
 
 def block_product(x: torch.Tensor, q: torch.Tensor, dm: torch.Tensor, bias: torch.Tensor | None,

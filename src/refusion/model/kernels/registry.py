@@ -43,7 +43,8 @@ class LinearKernel:
     fuses: bool
     """Whether q/k/v and gate/up layers of this kernel are multiplied as one product (`fused`)."""
     auto: bool
-    """Whether `linear="auto"` may choose it (int4 changes the numbers: only when pinned)."""
+    """Whether `linear="auto"` may choose it (int4: for fp32 GGUF models only, whose weights it keeps bit for bit;
+    in bf16 it changes the numbers and is only pinned)."""
     summary: str
     """One line: what it does."""
 
@@ -80,7 +81,7 @@ LINEAR_KERNELS: tuple[LinearKernel, ...] = (
     LinearKernel("int4", f"{_KERNELS}.int4:Int4Linear", ("cpu",), ("bfloat16", "float32"),
                  "a GGUF file's Q4_0 / Q4_1 blocks; bf16: torch's int4 CPU kernel; fp32: refusion's C++ extension",
                  None, row_exact=True, rows_probe=f"{_KERNELS}.int4:int4_rows_match", native_code=2, fuses=True,
-                 auto=False, summary="products by the GGUF file's 4-bit blocks (other rounding than the plain weights)"),
+                 auto=True, summary="products by the GGUF file's 4-bit blocks (other rounding than the plain weights)"),
 )
 """Every linear kernel. A model whose layers run several reports the last of them (int4 leaves the layers its file
 does not ship packed; no other two share a model)."""

@@ -163,6 +163,8 @@ void tile_avx2(const float*, int64_t, int64_t, const float*, float*, int64_t) {}
 
 }  // namespace
 
+bool blocks_vectorized() { return has_avx2(); }
+
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& dm,
                         const c10::optional<at::Tensor>& tail, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && dm.scalar_type() == at::kHalf,

@@ -12,4 +12,7 @@ namespace refusion {
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& dm,
                         const c10::optional<at::Tensor>& tail, const c10::optional<at::Tensor>& bias);
 
+// Whether block_linear runs vectorized here (AVX2, FMA and F16C), not lane by lane.
+bool blocks_vectorized();
+
 }  // namespace refusion

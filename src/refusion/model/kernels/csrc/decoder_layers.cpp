@@ -1073,6 +1073,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Update>(m, "Update").def(py::init<int64_t, Tensor, Tensor>());
   m.def("block_linear", &refusion::block_linear, "x @ w.T (+ bias) for fp32 rows and a GGUF file's blocks of w "
         "(block_products.cpp)");
+  m.def("blocks_vectorized", &refusion::blocks_vectorized, "whether block_linear runs vectorized here");
   m.def("mask_update", &mask_update, "out[rows] += (x[rows] @ a) @ b, a mask-gated adapter's update (see above)");
   py::class_<Product>(m, "Product")
       .def(py::init<int64_t, Tensor, Tensor, c10::optional<Tensor>, int64_t, int64_t, int64_t, std::vector<int64_t>,
