@@ -21,8 +21,8 @@ ways chosen by the model's dtype (never by timing):
   is summed the same way whatever the rows and threads: each row comes out bit for bit as it would alone. Where the
   C++ extension cannot be built, the layers multiply by their fp32 weight with F.linear (the same weights).
 
-Layers whose weights are not blocks in the file (adapter matrices; the Q8_0 head of a bf16 model) keep the kernel
-"auto" gives them. Either way "int4" changes how products round. In bf16 it is the user's
+Layers whose weights are not blocks in the file (adapter matrices; the Q8_0 head of a bf16 model) are packed in bf16
+where the CPU allows it and stay plain in fp32. Either way "int4" changes how products round. In bf16 it is the user's
 choice (`refusion.load(linear="int4")`, `--linear int4`), never "auto"'s; in fp32, whose weights are the plain
 load's, "auto" takes it where the kernel runs vectorized (`choice.fp32_blocks`), as it takes the other fp32 kernels
 that sum in their own order. Before switching a layer, the blocks are checked
