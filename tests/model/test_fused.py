@@ -8,6 +8,7 @@ from torch import nn
 
 from refusion.model.compact import CompactForward, compact_forward
 from refusion.model.kernels import fused, int4, narrow, row_exact
+from refusion.model.kernels.extension import native_available
 from refusion.model.kernels.gated_lora import MaskGatedLoRA, MaskRows
 from refusion.model.tiny import TINY_MASK_ID, tiny_model
 
@@ -16,7 +17,7 @@ from .test_compact import forwards, transformers_run
 KINDS = [pytest.param("packed", marks=pytest.mark.skipif(not row_exact.packing_available(),
                                                          reason="no bf16 packing on this CPU")),
          pytest.param("int4", marks=pytest.mark.skipif(not int4.int4_available(), reason="no int4 CPU kernel")),
-         pytest.param("int4-fp32", marks=pytest.mark.skipif(int4.native_blocks() is None, reason="no C++ extension")),
+         pytest.param("int4-fp32", marks=pytest.mark.skipif(not native_available(), reason="no C++ extension")),
          "narrow"]
 """int4: bf16 rows by torch's kernel; int4-fp32: fp32 rows by refusion's (`csrc/block_products.cpp`)."""
 

@@ -12,6 +12,7 @@ from torch import nn
 
 import refusion
 from refusion.model.kernels import int4, row_exact
+from refusion.model.kernels.extension import native_available
 from refusion.model.kernels.int4 import GROUP, Int4Blocks, Int4Linear
 from refusion.model.setup import prepare, setup_of
 from refusion.model.tiny import tiny_model
@@ -19,7 +20,7 @@ from refusion.model.tiny import tiny_model
 pytestmark = pytest.mark.skipif(not int4.int4_available(), reason="this torch build has no int4 CPU kernel")
 
 
-needs_native = pytest.mark.skipif(int4.native_blocks() is None, reason="the C++ extension cannot be built here")
+needs_native = pytest.mark.skipif(not native_available(), reason="the C++ extension cannot be built here")
 
 
 def quantized(weight: torch.Tensor, kind: str = "Q4_1") -> tuple[np.ndarray, Int4Blocks]:

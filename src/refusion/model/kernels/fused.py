@@ -34,13 +34,13 @@ import functools
 import torch
 from torch import nn
 
+from refusion.model.kernels.extension import native_available
 from refusion.model.kernels.gated_lora import MaskGatedLoRA
 from refusion.model.kernels.int4 import (
     GROUP,
     STALE_BLOCKS,
     Int4Blocks,
     block_product,
-    native_blocks,
     pack_fp32,
     takes_rows,
 )
@@ -312,7 +312,7 @@ def probe_fusion(kind: str, in_features: int, out_features: tuple[int, ...], bia
             own = torch.cat([chunked_product(x[:n], w, bb, r) for w, bb, r in zip(alone, b, rows)], -1)
             return own, chunked_product(x[:n], fused, biases, fused_rows)
     elif kind == "int4" and dtype == torch.float32:
-        if native_blocks() is None:
+        if not native_available():
             return False
         q = torch.randint(0, 16, (total, in_features), generator=generator, dtype=torch.int32)
         scale, offset = torch.rand(2, total, in_features // GROUP, generator=generator).half().float()

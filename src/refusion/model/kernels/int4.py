@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from refusion.model.kernels.extension import native_available, native_extension
 from refusion.model.kernels.row_exact import weight_key
 
 GROUP = 32
@@ -122,20 +123,13 @@ def takes_rows(x: torch.Tensor, scales: torch.Tensor) -> bool:
     layout, fp32 rows with refusion's where its extension runs); otherwise the plain weight multiplies."""
     if x.device.type != "cpu" or torch.is_grad_enabled() or x.numel() == 0 or x.dtype != ROWS_OF_SCALES[scales.dtype]:
         return False
-    return x.dtype == torch.bfloat16 or native_blocks() is not None
-
-
-def native_blocks():
-    """refusion's C++ extension (`block_linear`), or None where it cannot be built."""
-    from refusion.model.kernels.extension import native_extension
-
-    return native_extension()
+    return x.dtype == torch.bfloat16 or native_available()
 
 
 def blocks_vectorized() -> bool:
     """Whether refusion's fp32 block kernel runs here, vectorized (its extension built, the CPU with AVX2, FMA and
     F16C): where "auto" multiplies an fp32 GGUF model by its blocks (`choice.fp32_blocks`)."""
-    native = native_blocks()
+    native = native_extension()
     return native is not None and bool(native.blocks_vectorized())
 
 
@@ -143,7 +137,7 @@ def block_product(x: torch.Tensor, q: torch.Tensor, dm: torch.Tensor, bias: torc
                   tail: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] fp32 times the weight whose blocks are (`q`, `dm`) (`pack_fp32`) followed by the fp32 rows `tail`,
     plus `bias`: each row as alone."""
-    return native_blocks().block_linear(x, q, dm, tail, bias)
+    return native_extension().block_linear(x, q, dm, tail, bias)
 
 
 def int4_available() -> bool:
@@ -378,7 +372,7 @@ def int4_rows_match(rows: int = 32) -> bool:
         alone = torch.cat([product(x[i:i + 1]) for i in range(rows)])
         return all(torch.equal(product(x[:r]), alone[:r]) for r in range(2, rows + 1))
 
-    if native_blocks() is None or not rows_as_alone(lambda rows_: block_product(rows_, *pack_fp32(blocks), None)):
+    if not native_available() or not rows_as_alone(lambda rows_: block_product(rows_, *pack_fp32(blocks), None)):
         return False
     if not int4_available():
         return True
