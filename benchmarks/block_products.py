@@ -1,7 +1,8 @@
 """The embedded model's products by its GGUF blocks in fp32 (`--linear int4`, `csrc/block_products.cpp`), by width.
 
 For each width (rows of a decoding forward), back to back: the decoder layers' block products as one forward calls
-them (fused q/k/v and gate/up, lone o and down), the Q8_0 LM head, and, as the machine's memory-bound reference, an
+them (fused q/k/v and gate/up, lone o and down), the Q8_0 LM head, each with fp32 rows ("int4") and with rows rounded
+to 8-bit blocks ("int4-q8", `_int8_rows_ms`), and, as the machine's memory-bound reference, an
 fp32 product over a weight of the head's shape (F.linear reading 4 bytes a weight). Reported: milliseconds (fastest
 of `--repeats`) and the bytes of blocks and scales each product reads per second. Ends with one JSON line.
 
@@ -38,15 +39,21 @@ def time_width(width: int, products: list, layer_bytes: int, head, head_bytes: i
     inputs = [torch.randn(width, dm.shape[1] * GROUP) for _, dm in products]  # dm: [N, K / GROUP, 2]
     x = torch.randn(width, head.in_features)
 
-    def layers():
+    def layers(int8_rows: bool):
         for (q, dm), rows in zip(products, inputs):
-            block_product(rows, q, dm, None)
+            block_product(rows, q, dm, None, int8_rows=int8_rows)
 
-    layer_s = fastest(layers, repeats)
-    head_s = fastest(lambda: head(x), repeats)
+    def head_product(int8_rows: bool):
+        block_product(x, head._buffers["int4_weight"], head._buffers["int4_scales"], None, head.tail(), int8_rows)
+
+    layer_s = fastest(lambda: layers(False), repeats)
+    layer_q8_s = fastest(lambda: layers(True), repeats)
+    head_s = fastest(lambda: head_product(False), repeats)
+    head_q8_s = fastest(lambda: head_product(True), repeats)
     dense_s = fastest(lambda: x @ dense.t(), repeats)
     return {"width": width, "layers_ms": round(layer_s * 1e3, 2), "layers_gb_s": round(layer_bytes / layer_s / 1e9, 1),
-            "head_ms": round(head_s * 1e3, 2), "head_gb_s": round(head_bytes / head_s / 1e9, 1),
+            "layers_int8_rows_ms": round(layer_q8_s * 1e3, 2), "head_ms": round(head_s * 1e3, 2),
+            "head_gb_s": round(head_bytes / head_s / 1e9, 1), "head_int8_rows_ms": round(head_q8_s * 1e3, 2),
             "fp32_head_ms": round(dense_s * 1e3, 2), "fp32_head_gb_s": round(dense.numel() * 4 / dense_s / 1e9, 1)}
 
 

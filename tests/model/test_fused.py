@@ -18,8 +18,10 @@ KINDS = [pytest.param("packed", marks=pytest.mark.skipif(not row_exact.packing_a
                                                          reason="no bf16 packing on this CPU")),
          pytest.param("int4", marks=pytest.mark.skipif(not int4.int4_available(), reason="no int4 CPU kernel")),
          pytest.param("int4-fp32", marks=pytest.mark.skipif(not native_available(), reason="no C++ extension")),
+         pytest.param("int4-q8", marks=pytest.mark.skipif(not native_available(), reason="no C++ extension")),
          "narrow"]
-"""int4: bf16 rows by torch's kernel; int4-fp32: fp32 rows by refusion's (`csrc/block_products.cpp`)."""
+"""int4: bf16 rows by torch's kernel; int4-fp32: fp32 rows by refusion's (`csrc/block_products.cpp`); int4-q8: fp32
+rows rounded to 8-bit blocks there (`int4.Int4Q8Linear`)."""
 
 
 HIDDEN = 128
@@ -34,14 +36,14 @@ NARROW_PACKED_FROM = 3
 
 def model_with(kind: str, family: str = "llama", seed: int = 0):
     """A tiny bf16 model whose linear layers use `kind` (int4: random 4-bit blocks, the weights set to them; int4-fp32
-    the same in an fp32 model), or for "narrow" a tiny fp32 model multiplying weight-major, its products padded (`NARROW_PADDING`), and by packed
+    and int4-q8 the same in an fp32 model), or for "narrow" a tiny fp32 model multiplying weight-major, its products padded (`NARROW_PADDING`), and by packed
     copies from NARROW_PACKED_FROM rows on."""
     if kind == "narrow":
         model = tiny_model(family, hidden_size=HIDDEN, heads=4, kv_heads=2, dtype=torch.float32, seed=seed,
                            attn_implementation="sdpa")
         narrow.use_narrow_linears(model, force=True, padded_rows=NARROW_PADDING, packed_from=NARROW_PACKED_FROM)
         return model
-    dtype = torch.float32 if kind == "int4-fp32" else torch.bfloat16
+    dtype = torch.float32 if kind in ("int4-fp32", "int4-q8") else torch.bfloat16
     model = tiny_model(family, hidden_size=HIDDEN, heads=4, kv_heads=2, dtype=dtype, seed=seed,
                        attn_implementation=row_exact.EXACT_ATTENTION)
     if kind == "packed":
@@ -59,7 +61,8 @@ def model_with(kind: str, family: str = "llama", seed: int = 0):
                                      8 if head else 4)
             with torch.no_grad():
                 layer.weight.copy_(blocks.dequantize())
-            int4.switch_to_int4(layer, *int4.pack(blocks, dtype))
+            int4.switch_to_int4(layer, *int4.pack(blocks, dtype),
+                                int4.Int4Q8Linear if kind == "int4-q8" else int4.Int4Linear)
     return model
 
 

@@ -78,6 +78,50 @@ def test_fp32_products_are_the_files_weights_and_every_row_comes_out_as_alone(ki
         assert layer(x[:, :2]).requires_grad
 
 
+def int8_rows_reference(x: torch.Tensor, blocks: Int4Blocks) -> torch.Tensor:
+    """The product "int4-q8" computes, in float64 from the same rounded rows: each block of 32 features rounded to
+    bytes (scale d = amax / 127, nearest even), sum(w_q q) exact, times d_w d (one fp32 product), plus m_w d sum(q)."""
+    rows, features = x.shape
+    xb = x.reshape(rows, features // GROUP, GROUP)
+    amax = xb.abs().amax(-1)
+    q = torch.round(xb * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))[..., None])
+    d = amax / 127.0
+    weights = blocks.q.reshape(blocks.q.shape[0], -1, GROUP).double()
+    sums = torch.einsum("rbe,nbe->rnb", q.double(), weights)
+    scales = (blocks.scale[None] * d[:, None]).double()  # fp32 products, as the kernel rounds them
+    offsets = blocks.offset.double()[None] * (d * q.sum(-1))[:, None].double()
+    return (sums * scales + offsets).sum(-1)
+
+
+@needs_native
+@pytest.mark.parametrize("kind,extra_rows", [("Q4_0", 0), ("Q4_1", 0), ("Q8_0", 0), ("Q8_0", 3)])
+@torch.no_grad()
+def test_int8_rows_multiply_as_llama_cpp_and_every_row_comes_out_as_alone(kind, extra_rows):
+    """int4-q8: rows rounded to 8-bit blocks and multiplied in integers (the reference's value to fp32 rounding), each
+    row bit for bit whatever the rows with it (few rows and many run different loops) and the threads; rows the
+    blocks lack multiply the fp32 rows as they are."""
+    layer, blocks = layer_on_blocks(8 * GROUP, 48, bias=True, dtype=torch.float32, kind=kind, extra_rows=extra_rows)
+    bias, tail = layer.bias.detach().clone(), layer.weight.detach()[48:].clone()
+    int4.switch_to_int4(layer, *int4.pack(blocks, torch.float32), int4.Int4Q8Linear)
+    x = torch.randn(140, 8 * GROUP)  # past the kernel's blocks of 64 rows
+    x[3] = 0.0  # a row of zeros: scale 0
+    out = layer(x)
+    expected = int8_rows_reference(x, blocks) + bias[:48].double()
+    torch.testing.assert_close(out[:, :48].double(), expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(out[:, 48:], x @ tail.t() + bias[48:], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(out, x @ layer.weight.t() + bias, rtol=1e-5, atol=1e-5)  # the rows were rounded
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(140)])
+    for width in (1, 2, 3, 4, 5, 8, 33, 70, 140):
+        assert torch.equal(layer(x[:width]), alone[:width]), width
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(layer(x), alone)
+    finally:
+        torch.set_num_threads(threads)
+    assert int4.int8_rows_match()
+
+
 @needs_native
 def test_fp32_blocks_fit_only_whole_tiles_and_never_more_rows_than_the_weight():
     layer, blocks = layer_on_blocks(2 * GROUP, 40, dtype=torch.float32)
@@ -236,6 +280,39 @@ def test_fp32_int4_decodes_the_exact_mode_and_batches_as_autoregressive_decoding
 
 
 @needs_native
+def test_int8_rows_decode_the_exact_mode_and_batches_as_autoregressive_decoding(tmp_path, monkeypatch):
+    """int4-q8, pinned: every layer and the Q8_0 head multiply rounded rows, every row as alone, so the exact mode is
+    its AR decoding and a batch decodes each sequence as alone; its logits are int4's to the rows' rounding."""
+    model, path = tiny_int4_llama(tmp_path, monkeypatch, torch.float32, head=True)
+    blocks, _ = tiny_int4_llama(tmp_path, monkeypatch, torch.float32, head=True)
+    setup = prepare(model, weights_file=path, linear="int4-q8")
+    assert setup.kernels.linear == "int4-q8" and "15 of 15" in setup.kernels.reason and setup.row_exact
+    assert sum(type(m) is int4.Int4Q8Linear for m in model.modules()) == 15
+    prepare(blocks, weights_file=path, linear="int4")
+    prompts = [[1, 5, 7, 9], [1, 3, 4, 5, 6, 7, 8, 10, 11], [9, 12, 13]]
+    ar = refusion.DecodeConfig(max_new_tokens=24, strategy="autoregressive", eos_token_id=2)
+    alone = [refusion.generate(model, [p], ar).sequences[0] for p in prompts]
+    for draft_length in (1, 4):
+        cfg = refusion.DecodeConfig(max_new_tokens=24, strategy="speculative", draft_length=draft_length,
+                                    eos_token_id=2)
+        assert refusion.generate(model, prompts, cfg).sequences == alone, draft_length
+    assert refusion.generate(model, prompts, ar).sequences == alone
+    ids = torch.tensor([prompts[1]])
+    with torch.no_grad():
+        ours, theirs = model(ids).logits, blocks(ids).logits
+    assert not torch.equal(ours, theirs)
+    assert (ours - theirs).abs().amax() < 0.05 * theirs.abs().amax()
+
+
+@needs_native
+def test_int8_rows_are_refused_in_one_line_for_bf16_models(tmp_path, monkeypatch):
+    model, path = tiny_int4_llama(tmp_path, monkeypatch)
+    with pytest.raises(ValueError, match="linear='int4-q8' rounds fp32 rows"):
+        prepare(model, weights_file=path, linear="int4-q8")
+    assert not any(isinstance(m, Int4Linear) for m in model.modules())
+
+
+@needs_native
 def test_auto_multiplies_fp32_gguf_models_by_their_blocks_and_nothing_else(tmp_path, monkeypatch):
     """"auto" takes int4 for an fp32 model whose weights are its GGUF file's blocks, where the kernel runs vectorized;
     a bf16 model, a model without a GGUF file, and one whose weights are no longer the file's get the other kernels."""
@@ -277,3 +354,15 @@ def test_the_embedded_model_in_fp32_multiplies_its_shipped_blocks_head_too():
     ours = refusion.generate(model, ids, strategy="autoregressive", max_new_tokens=24).sequences
     plain, _ = refusion.load(linear="plain", dtype="float32")
     assert refusion.generate(plain, ids, strategy="autoregressive", max_new_tokens=24).sequences == ours
+
+
+@needs_native
+@pytest.mark.slow
+def test_the_embedded_model_with_int8_rows_decodes_the_exact_mode_as_its_ar():
+    """int4-q8 on the embedded model: all 211 products round their rows, and its exact mode is its own AR decoding."""
+    model, tokenizer = refusion.load(linear="int4-q8", dtype="float32")
+    setup = setup_of(model)
+    assert setup.kernels.linear == "int4-q8" and "211 of 211" in setup.kernels.reason
+    ids = refusion.encode_prompts(tokenizer, ["Name three colors.", "What is 12 times 7?"])
+    ar = refusion.generate(model, ids, strategy="autoregressive", max_new_tokens=24).sequences
+    assert refusion.generate(model, ids, strategy="speculative", max_new_tokens=24).sequences == ar

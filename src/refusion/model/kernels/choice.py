@@ -33,10 +33,10 @@ def choose_linear_kernel(model, linear: str = "auto", weights_file: str | Path |
     from refusion.model.kernels.sgemm import use_sgemm_linears
 
     check_linear(linear)
-    if linear == "int4":
-        switched, total = use_shipped_int4(model, weights_file)
+    if linear in ("int4", "int4-q8"):
+        switched, total = use_shipped_int4(model, weights_file, int8_rows=linear == "int4-q8")
         use_packed_linears(model)  # the layers the file does not ship in 4 bits (embedding / LM head, adapters)
-        return "int4", f"{PINNED}: {switched} of {total} linear layers multiply by the file's blocks"
+        return linear, f"{PINNED}: {switched} of {total} linear layers multiply by the file's blocks"
     if linear == "plain":
         return "plain", PINNED
     if linear == "auto":
@@ -152,15 +152,25 @@ def fp32_blocks(model, weights_file: str | Path | None) -> tuple[str, str] | Non
                     "multiply by the blocks (the same weights, a fraction of the bytes)")
 
 
-def use_shipped_int4(model, weights_file: str | Path | None) -> tuple[int, int]:
-    """Switch the layers a GGUF file ships in 4 bits to `Int4Linear`; returns (switched, linear layers in all).
-    Raises a one-line ValueError when that cannot be done."""
+def use_shipped_int4(model, weights_file: str | Path | None, int8_rows: bool = False) -> tuple[int, int]:
+    """Switch the layers a GGUF file ships in blocks to `Int4Linear` (`int8_rows`: `Int4Q8Linear`, the kernel
+    "int4-q8"); returns (switched, linear layers in all). Raises a one-line ValueError when that cannot be done."""
     import torch
     from torch import nn
 
-    from refusion.model.kernels.int4 import int4_available, shipped_int4, use_int4_linears
+    from refusion.model.kernels.int4 import (
+        Int4Linear,
+        Int4Q8Linear,
+        int4_available,
+        int8_rows_available,
+        shipped_int4,
+        use_int4_linears,
+    )
 
     parameter = next(model.parameters())
+    if int8_rows and (parameter.dtype != torch.float32 or not int8_rows_available()):
+        raise ValueError("linear='int4-q8' rounds fp32 rows to 8 bits in refusion's C++ extension: load with "
+                         "dtype='float32' on a machine that builds it (or use linear='int4')")
     if weights_file is None or not str(weights_file).endswith(".gguf"):
         raise ValueError("linear='int4' multiplies by the 4-bit blocks of a GGUF file (Q4_0 / Q4_1): load a .gguf "
                          "model (or the embedded one, whose base is one)")
@@ -171,7 +181,7 @@ def use_shipped_int4(model, weights_file: str | Path | None) -> tuple[int, int]:
         raise ValueError("linear='int4' in bf16 runs torch's int4 CPU kernel, which this torch build lacks: load "
                          "with dtype='float32'")
     total = sum(isinstance(m, nn.Linear) for m in model.modules())
-    switched = use_int4_linears(model, shipped_int4(weights_file, model))
+    switched = use_int4_linears(model, shipped_int4(weights_file, model), Int4Q8Linear if int8_rows else Int4Linear)
     if switched == 0:
         raise ValueError(f"linear='int4': {weights_file} has no Q4_0 / Q4_1 weights of this model's linear layers")
     return switched, total

@@ -68,13 +68,17 @@ PACKED_PROBE_ROWS = (*range(1, 34), 64, 100)
 """Row counts at which `fusion_is_exact` compares the packed copies of narrow products (any count takes them)."""
 
 
+BLOCK_KINDS = ("int4", "int4-q8")
+"""Kernels whose fused products multiply by the members' blocks (`int4.Int4Linear`, `int4.Int4Q8Linear`)."""
+
+
 def base_of(layer: nn.Module) -> nn.Module:
     """The linear layer that computes a member's product (a mask-gated adapter's wrapped layer)."""
     return layer.base_layer if isinstance(layer, MaskGatedLoRA) else layer
 
 
 def kind_of(layer: nn.Module) -> str | None:
-    """The registered kernel of a layer whose products fuse ("packed", "int4" or "narrow": `LinearKernel.fuses`),
+    """The registered kernel of a layer whose products fuse ("packed", "int4", "int4-q8" or "narrow": `fuses`),
     else None."""
     kernel = kernel_of_layer(layer)
     return kernel.name if kernel is not None and kernel.fuses else None
@@ -119,7 +123,7 @@ class FusedProduct:
         elif self.kind == "narrow":
             out = narrow_product(flat, self.weight, self.bias, self.padded_rows, self.packed_from, self._packed)
         elif x.dtype == torch.float32:
-            out = block_product(flat, self.weight, self.scales, self.bias)
+            out = block_product(flat, self.weight, self.scales, self.bias, int8_rows=self.kind == "int4-q8")
         else:
             out = torch._weight_int4pack_mm_for_cpu(flat.contiguous(), self.weight, GROUP, self.scales)
             if self.bias is not None:
@@ -139,7 +143,7 @@ class FusedProduct:
             rows = x.numel() // self.in_features
             return x.dtype == self.bases[0]._parameters["weight"].dtype and (rows <= NARROW_MAX_ROWS
                                                                                or self.packed_from > 0)
-        if self.kind == "int4":
+        if self.kind in BLOCK_KINDS:
             return takes_rows(x, self.bases[0]._buffers["int4_scales"])
         return x.dtype == torch.bfloat16
 
@@ -158,7 +162,7 @@ class FusedProduct:
         blocks were switched for (int4; a member whose weight changed since is refused), and their bias keys (the
         stacked bias is a copy)."""
         weights = [weight_key(b._parameters["weight"]) for b in self.bases]  # the dicts read directly: every call
-        if self.kind == "int4" and weights != [b.int4_key for b in self.bases]:
+        if self.kind in BLOCK_KINDS and weights != [b.int4_key for b in self.bases]:
             raise RuntimeError(STALE_BLOCKS)
         biases = [b._parameters["bias"] for b in self.bases]
         return weights + [None if bias is None else weight_key(bias) for bias in biases]
@@ -311,7 +315,7 @@ def probe_fusion(kind: str, in_features: int, out_features: tuple[int, ...], bia
             b = biases.split(out_features) if bias else [None] * len(out_features)
             own = torch.cat([chunked_product(x[:n], w, bb, r) for w, bb, r in zip(alone, b, rows)], -1)
             return own, chunked_product(x[:n], fused, biases, fused_rows)
-    elif kind == "int4" and dtype == torch.float32:
+    elif kind in BLOCK_KINDS and dtype == torch.float32:
         if not native_available():
             return False
         q = torch.randint(0, 16, (total, in_features), generator=generator, dtype=torch.int32)
@@ -322,8 +326,9 @@ def probe_fusion(kind: str, in_features: int, out_features: tuple[int, ...], bia
 
         def products(n: int):
             b = biases.float().split(out_features) if bias else [None] * len(out_features)
-            own = torch.cat([block_product(x[:n], w, dm, bb) for (w, dm), bb in zip(parts, b)], -1)
-            return own, block_product(x[:n], fused, fused_dm, biases.float() if bias else None)
+            q8 = kind == "int4-q8"
+            own = torch.cat([block_product(x[:n], w, dm, bb, int8_rows=q8) for (w, dm), bb in zip(parts, b)], -1)
+            return own, block_product(x[:n], fused, fused_dm, biases.float() if bias else None, int8_rows=q8)
     elif kind == "int4":
         q = torch.randint(0, 16, (total, in_features), generator=generator, dtype=torch.int32)
         scales = torch.rand(in_features // GROUP, total, 2, generator=generator).to(torch.bfloat16)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -86,13 +87,16 @@ class Int4Linear(nn.Linear):
     torch's int4 kernel, fp32 rows by refusion's (`block_product`). Training and the state dict see the plain
     weight; writing it after the switch makes the forward refuse (the blocks would no longer describe it)."""
 
+    int8_rows: ClassVar[bool] = False
+    """Whether fp32 rows are rounded to 8-bit blocks before they multiply the blocks (`Int4Q8Linear`)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not takes_rows(x, self._buffers["int4_scales"]):
             return F.linear(x, self.weight, self.bias)
         weight, group, scales = self.blocks()
         bias = self._parameters["bias"]
         if x.dtype == torch.float32:
-            return block_product(x, weight, scales, bias, self.tail())
+            return block_product(x, weight, scales, bias, self.tail(), self.int8_rows)
         flat = x.reshape(-1, self.in_features).contiguous()  # the kernel reads rows in place
         out = torch._weight_int4pack_mm_for_cpu(flat, weight, group, scales)
         if bias is not None:
@@ -111,6 +115,15 @@ class Int4Linear(nn.Linear):
         """fp32: the weight's rows after the blocks' (an LM head grown by added tokens), multiplied as they are."""
         blocked = self._buffers["int4_weight"].shape[0]
         return self._parameters["weight"].detach()[blocked:] if blocked < self.out_features else None
+
+
+class Int4Q8Linear(Int4Linear):
+    """Int4Linear (fp32 models) whose rows are rounded to blocks of 32 signed bytes (a scale each: the largest
+    magnitude maps to 127) and multiplied by the file's blocks in integers, as llama.cpp multiplies them (the linear
+    kernel "int4-q8", only ever pinned: its numbers are not the base model's). A one-row product does a fraction of
+    the fp32 kernel's work and reads the same blocks; each row is still computed as it would be alone."""
+
+    int8_rows: ClassVar[bool] = True
 
 
 ROWS_OF_SCALES = {torch.bfloat16: torch.bfloat16, torch.float16: torch.float32}
@@ -134,10 +147,11 @@ def blocks_vectorized() -> bool:
 
 
 def block_product(x: torch.Tensor, q: torch.Tensor, dm: torch.Tensor, bias: torch.Tensor | None,
-                  tail: torch.Tensor | None = None) -> torch.Tensor:
+                  tail: torch.Tensor | None = None, int8_rows: bool = False) -> torch.Tensor:
     """x [..., K] fp32 times the weight whose blocks are (`q`, `dm`) (`pack_fp32`) followed by the fp32 rows `tail`,
-    plus `bias`: each row as alone."""
-    return native_extension().block_linear(x, q, dm, tail, bias)
+    plus `bias`: each row as alone. `int8_rows`: x rounded to 8-bit blocks first and multiplied in integers, as
+    llama.cpp multiplies (the kernel "int4-q8"; the tail rows still multiply x as it is)."""
+    return native_extension().block_linear(x, q, dm, tail, bias, int8_rows)
 
 
 def int4_available() -> bool:
@@ -202,9 +216,10 @@ def packed_shape(packed: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, int]:
     return packed[0].shape[0], 8 if packed[0].dtype == torch.int8 else 4
 
 
-def switch_to_int4(layer: nn.Linear, packed: torch.Tensor, scales: torch.Tensor) -> None:
-    """Make `layer` an Int4Linear multiplying by `packed` with `scales` (`pack`)."""
-    layer.__class__ = Int4Linear
+def switch_to_int4(layer: nn.Linear, packed: torch.Tensor, scales: torch.Tensor,
+                   layer_class: type[Int4Linear] = Int4Linear) -> None:
+    """Make `layer` an Int4Linear (or `layer_class`, Int4Q8Linear) multiplying by `packed` with `scales` (`pack`)."""
+    layer.__class__ = layer_class
     layer.register_buffer("int4_weight", packed, persistent=False)
     layer.register_buffer("int4_scales", scales, persistent=False)
     layer.int4_key = weight_key(layer.weight)
@@ -215,14 +230,15 @@ def file_layer_name(module_name: str) -> str:
     return module_name.removesuffix(".base_layer")
 
 
-def use_int4_linears(model: nn.Module, packed: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
-    """Switch the linear layers named in `packed` ({file layer name: `pack` output}) to Int4Linear; returns how
+def use_int4_linears(model: nn.Module, packed: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                     layer_class: type[Int4Linear] = Int4Linear) -> int:
+    """Switch the linear layers named in `packed` ({file layer name: `pack` output}) to `layer_class`; returns how
     many."""
     switched = 0
     for name, layer in list(model.named_modules()):
         weights = packed.get(file_layer_name(name))
         if type(layer) is nn.Linear and weights is not None and can_switch(layer, *packed_shape(weights)):
-            switch_to_int4(layer, *weights)
+            switch_to_int4(layer, *weights, layer_class)
             switched += 1
     return switched
 
@@ -355,6 +371,34 @@ def _unpack_blocks(data: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray,
     packed = raw[..., header:]
     q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int32)  # [N, blocks, 32]
     return q.reshape(rows, -1), d, m
+
+
+def int8_rows_available() -> bool:
+    """Whether the kernel "int4-q8" runs here: refusion's C++ extension built (vectorized or lane by lane)."""
+    return native_available()
+
+
+@functools.cache
+def int8_rows_match(rows: int = 32) -> bool:
+    """Whether the kernel "int4-q8" computes each row of a product of up to `rows` rows bit for bit as alone, on
+    4-bit and 8-bit blocks (a fact of the machine, probed once on random blocks: its few-row and many-row products
+    are different loops that must sum alike)."""
+    if not native_available():
+        return False
+    generator = torch.Generator().manual_seed(0)
+    four = Int4Blocks(torch.randint(0, 16, (64, 4 * GROUP), generator=generator, dtype=torch.int32),
+                      *torch.rand(2, 64, 4, generator=generator).half().float())
+    scale = torch.rand(64, 4, generator=generator).half().float()
+    eight = Int4Blocks(torch.randint(-128, 128, (64, 4 * GROUP), generator=generator, dtype=torch.int32), scale,
+                       torch.zeros_like(scale), 8)
+    x = torch.randn(rows, 4 * GROUP, generator=generator)
+    for blocks in (four, eight):
+        q, dm = pack_fp32(blocks)
+        alone = torch.cat([block_product(x[i:i + 1], q, dm, None, int8_rows=True) for i in range(rows)])
+        if not all(torch.equal(block_product(x[:r], q, dm, None, int8_rows=True), alone[:r])
+                   for r in range(2, rows + 1)):
+            return False
+    return True
 
 
 @functools.cache

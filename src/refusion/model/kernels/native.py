@@ -155,7 +155,7 @@ class NativeLayers:
             packed, exact = base._packed(), base.exact
         elif kernel.name == "packed":
             weight, rows, low_rows = base._packed(), base.exact_rows.high, base.exact_rows.low
-        elif kernel.name == "int4":
+        elif kernel.name in ("int4", "int4-q8"):
             weight, _, scales = base.blocks()
         elif kernel.name == "narrow":
             rows, low_rows, padded = NARROW_MAX_ROWS, base.packed_from, list(base.padded_rows)

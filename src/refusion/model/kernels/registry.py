@@ -44,7 +44,7 @@ class LinearKernel:
     """Whether q/k/v and gate/up layers of this kernel are multiplied as one product (`fused`)."""
     auto: bool
     """Whether `linear="auto"` may choose it (int4: for fp32 GGUF models only, whose weights it keeps bit for bit;
-    in bf16 it changes the numbers and is only pinned)."""
+    in bf16 it changes the numbers and is only pinned, as int4-q8, which rounds the rows, always is)."""
     summary: str
     """One line: what it does."""
 
@@ -82,6 +82,11 @@ LINEAR_KERNELS: tuple[LinearKernel, ...] = (
                  "a GGUF file's Q4_0 / Q4_1 blocks; bf16: torch's int4 CPU kernel; fp32: refusion's C++ extension",
                  None, row_exact=True, rows_probe=f"{_KERNELS}.int4:int4_rows_match", native_code=2, fuses=True,
                  auto=True, summary="products by the GGUF file's 4-bit blocks (other rounding than the plain weights)"),
+    LinearKernel("int4-q8", f"{_KERNELS}.int4:Int4Q8Linear", ("cpu",), ("float32",),
+                 "a GGUF file's Q4_0 / Q4_1 blocks and refusion's C++ extension", f"{_KERNELS}.int4:int8_rows_available",
+                 row_exact=True, rows_probe=f"{_KERNELS}.int4:int8_rows_match", native_code=5, fuses=True,
+                 auto=False, summary="the GGUF file's blocks times rows rounded to 8-bit blocks, in integers, as "
+                 "llama.cpp multiplies (other numbers than the base model's)"),
 )
 """Every linear kernel. A model whose layers run several reports the last of them (int4 leaves the layers its file
 does not ship packed; no other two share a model)."""

@@ -70,6 +70,85 @@ void tile_portable(const float* x, int64_t rows, int64_t K, const float* w, floa
   }
 }
 
+// ------------------------------------------------------------------------------------------------ 8-bit rows
+// With `int8_rows` (the kernel "int4-q8") each row is first rounded to blocks of 32 signed bytes, as llama.cpp rounds
+// the activations it multiplies by its 4-bit blocks (its Q8_1, with d and s kept in fp32): per block
+// d = amax / 127, q = nearest-even(x * (127 / amax)), s = d * sum(q). A weight block times a row block is then
+//   (d_w * d) * sum(w_q * q) + m_w * s,
+// the sum of byte products an exact integer. Its 32 products go to 8 lanes of four (lane l: weights 4l..4l+3), each
+// lane a fused multiply-add of its integer by the block's scale into its accumulator in increasing block order, the
+// lanes then added in the fixed tree, then the offsets' term (fused multiply-adds over the blocks in increasing
+// order) added last: the same whatever the rows, outputs and threads, so each row is still computed as alone.
+
+struct Rows8 {
+  std::vector<int8_t> q;  // [rows, K] the rows' bytes
+  std::vector<float> d;   // [rows, K / 32] their blocks' scales
+  std::vector<float> s;   // [rows, K / 32] d * the sum of the block's bytes
+};
+
+void quantize_block_portable(const float* x, int8_t* q, float* d, float* s) {
+  float amax = 0.0f;
+  for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+  int sum = 0;
+  for (int64_t j = 0; j < kBlock; ++j) {
+    const int v = static_cast<int>(std::nearbyint(x[j] * id));
+    q[j] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  *d = amax / 127.0f;
+  *s = *d * static_cast<float>(sum);
+}
+
+// One output tile of 8-bit products: each output's weights widened to one byte each (`w` [kTile, K]: 0..15 or
+// -128..127), their block scales dw [kTile, B] and the offsets transposed, mt [B, kTile].
+struct Tile8 {
+  std::vector<int8_t> w;
+  std::vector<float> dw, mt;
+  std::vector<float> scales, offsets;  // tile8_avx2's: d_w * d [rows, B, kTile] and the offsets' terms [rows, kTile]
+};
+
+void unpack_tile_portable(const uint8_t* q, bool four_bit, const at::Half* dm, int64_t K, int64_t q_row,
+                          int64_t dm_row, Tile8& t) {
+  const int64_t B = K / kBlock;
+  for (int64_t o = 0; o < kTile; ++o) {
+    const uint8_t* row = q + o * q_row;
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t j = 0; j < kBlock; ++j) {
+        int v = four_bit ? (j < 16 ? row[b * 16 + j] & 15 : row[b * 16 + j - 16] >> 4)
+                         : static_cast<int8_t>(row[b * kBlock + j]);
+        t.w[o * K + b * kBlock + j] = static_cast<int8_t>(v);
+      }
+      t.dw[o * B + b] = static_cast<float>(dm[o * dm_row + 2 * b]);
+      t.mt[b * kTile + o] = static_cast<float>(dm[o * dm_row + 2 * b + 1]);
+    }
+  }
+}
+
+// out[r * N + o] for the tile's outputs and `rows` rows (the rows' blocks at `y`, `yd`, `ys`)
+void tile8_portable(const int8_t* y, const float* yd, const float* ys, int64_t rows, int64_t K, const Tile8& t,
+                    float* out, int64_t N) {
+  const int64_t B = K / kBlock;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t o = 0; o < kTile; ++o) {
+      float acc[kLanes] = {};
+      float offsets = 0.0f;
+      for (int64_t b = 0; b < B; ++b) {
+        const float scale = t.dw[o * B + b] * yd[r * B + b];
+        const int8_t* w = t.w.data() + o * K + b * kBlock;
+        const int8_t* v = y + r * K + b * kBlock;
+        for (int64_t l = 0; l < kLanes; ++l) {
+          int sum = 0;
+          for (int64_t e = 4 * l; e < 4 * l + 4; ++e) sum += static_cast<int>(w[e]) * static_cast<int>(v[e]);
+          acc[l] = std::fma(static_cast<float>(sum), scale, acc[l]);
+        }
+        offsets = std::fma(t.mt[b * kTile + o], ys[r * B + b], offsets);
+      }
+      out[r * N + o] = lanes_sum(acc) + offsets;
+    }
+  }
+}
+
 #ifdef REFUSION_X86_BLOCKS
 // ------------------------------------------------------------------------------------------------ AVX2 and FMA
 #define REFUSION_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -150,6 +229,185 @@ REFUSION_AVX2 void tile_avx2(const float* x, int64_t rows, int64_t K, const floa
   if (r < rows) dot_avx2<1, 8>(x + r * K, K, w, out + r * N, N);
 }
 
+REFUSION_AVX2 void quantize_block_avx2(const float* x, int8_t* q, float* d, float* s) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4];
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + i * kLanes);
+  __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                           _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+  const float amax = _mm_cvtss_f32(h);
+  const __m256 id = _mm256_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
+  __m256i i[4];
+  for (int k = 0; k < 4; ++k) {
+    i[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[k], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  __m256i total = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  t = _mm_add_epi32(t, _mm_unpackhi_epi64(t, t));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 1));
+  // packing interleaves the 128-bit halves: the permutation puts the 32 bytes back in order
+  __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), packed);
+  *d = amax / 127.0f;
+  *s = *d * static_cast<float>(_mm_cvtsi128_si32(t));
+}
+
+REFUSION_AVX2 void unpack_tile_avx2(const uint8_t* q, bool four_bit, const at::Half* dm, int64_t K, int64_t q_row,
+                                    int64_t dm_row, Tile8& t) {
+  const int64_t B = K / kBlock;
+  const __m128i nibble = _mm_set1_epi8(15);
+  for (int64_t o = 0; o < kTile; ++o) {
+    const uint8_t* row = q + o * q_row;
+    int8_t* w = t.w.data() + o * K;
+    if (four_bit) {
+      for (int64_t b = 0; b < B; ++b) {
+        __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
+        __m128i low = _mm_and_si128(raw, nibble), high = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + b * kBlock), _mm256_set_m128i(high, low));
+      }
+    } else {
+      std::copy(row, row + K, reinterpret_cast<uint8_t*>(w));
+    }
+    const uint16_t* bits = reinterpret_cast<const uint16_t*>(dm + o * dm_row);
+    for (int64_t b = 0; b < B; ++b) {
+      t.dw[o * B + b] = _cvtsh_ss(bits[2 * b]);
+      t.mt[b * kTile + o] = _cvtsh_ss(bits[2 * b + 1]);
+    }
+  }
+}
+
+// acc[r][o] for RT rows by OT outputs of the tile (starting at output o0): products of bytes, summed exactly by lane
+template <int RT, int OT, bool FOUR>
+REFUSION_AVX2 inline void dot8_avx2(const int8_t* y, const float* scales, int64_t K, const Tile8& t, int64_t o0,
+                                    const float* offsets, float* out, int64_t N) {
+  const int64_t B = K / kBlock;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[RT][OT];
+  for (int r = 0; r < RT; ++r)
+    for (int o = 0; o < OT; ++o) acc[r][o] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    __m256i w[OT];
+    for (int o = 0; o < OT; ++o) {
+      w[o] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.w.data() + (o0 + o) * K + b * kBlock));
+    }
+    for (int r = 0; r < RT; ++r) {
+      __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + r * K + b * kBlock));
+      for (int o = 0; o < OT; ++o) {
+        __m256i pairs = FOUR ? _mm256_maddubs_epi16(w[o], v)  // 0..15 times a signed byte
+                             : _mm256_maddubs_epi16(_mm256_sign_epi8(w[o], w[o]), _mm256_sign_epi8(v, w[o]));
+        __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+        acc[r][o] = _mm256_fmadd_ps(sum, _mm256_broadcast_ss(scales + (r * B + b) * kTile + o0 + o), acc[r][o]);
+      }
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int o = 0; o < OT; ++o) out[r * N + o0 + o] = sum_avx2(acc[r][o]) + offsets[r * kTile + o0 + o];
+}
+
+template <bool FOUR>
+REFUSION_AVX2 void tile8_rows_avx2(const int8_t* y, const float* scales, int64_t rows, int64_t K, const Tile8& t,
+                                   const float* offsets, float* out, int64_t N) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    for (int64_t o = 0; o < kTile; o += 2) {
+      dot8_avx2<4, 2, FOUR>(y + r * K, scales + r * (K / kBlock) * kTile, K, t, o, offsets + r * kTile, out + r * N, N);
+    }
+  }
+  for (; r + 2 <= rows; r += 2) {
+    for (int64_t o = 0; o < kTile; o += 2) {
+      dot8_avx2<2, 2, FOUR>(y + r * K, scales + r * (K / kBlock) * kTile, K, t, o, offsets + r * kTile, out + r * N, N);
+    }
+  }
+  for (; r < rows; ++r) {
+    for (int64_t o = 0; o < kTile; o += 4) {
+      dot8_avx2<1, 4, FOUR>(y + r * K, scales + r * (K / kBlock) * kTile, K, t, o, offsets + r * kTile, out + r * N, N);
+    }
+  }
+}
+
+// Few rows (up to kDirectRows): each output's blocks widened in registers as they are read, no tile buffer; the
+// same sums as tile8_avx2's, in the same order
+template <int RT, bool FOUR>
+REFUSION_AVX2 inline void direct8_avx2(const int8_t* y, const float* yd, const float* ys, int64_t K,
+                                       const uint8_t* q, const at::Half* half_dm, float* out, int64_t N) {
+  const int64_t B = K / kBlock;
+  float dm[kMaxBlocks * 2];  // the output's (d, m) widened to fp32
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(half_dm);
+  int64_t i = 0;
+  for (; i + 8 <= 2 * B; i += 8) {
+    _mm256_storeu_ps(dm + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + i))));
+  }
+  for (; i < 2 * B; ++i) dm[i] = _cvtsh_ss(bits[i]);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i nibble = _mm256_set1_epi8(15);
+  __m256 acc[RT];
+  for (int r = 0; r < RT; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    __m256i w, u;
+    if (FOUR) {
+      __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
+      w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), nibble);
+      u = w;
+    } else {
+      w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * kBlock));
+      u = _mm256_sign_epi8(w, w);
+    }
+    for (int r = 0; r < RT; ++r) {
+      __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + r * K + b * kBlock));
+      __m256i pairs = _mm256_maddubs_epi16(u, FOUR ? v : _mm256_sign_epi8(v, w));
+      __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+      acc[r] = _mm256_fmadd_ps(sum, _mm256_set1_ps(dm[2 * b] * yd[r * B + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < RT; ++r) {
+    float offsets = 0.0f;
+    for (int64_t b = 0; b < B; ++b) offsets = std::fma(dm[2 * b + 1], ys[r * B + b], offsets);
+    out[r * N] = sum_avx2(acc[r]) + offsets;
+  }
+}
+
+constexpr int64_t kDirectRows = 4;  // products of at most this many rows widen the blocks in registers
+
+REFUSION_AVX2 void direct8_rows_avx2(const int8_t* y, const float* yd, const float* ys, int64_t rows, int64_t K,
+                                     const uint8_t* q, bool four_bit, const at::Half* dm, float* out, int64_t N) {
+  switch (rows * 2 + (four_bit ? 1 : 0)) {
+    case 3: direct8_avx2<1, true>(y, yd, ys, K, q, dm, out, N); break;
+    case 2: direct8_avx2<1, false>(y, yd, ys, K, q, dm, out, N); break;
+    case 5: direct8_avx2<2, true>(y, yd, ys, K, q, dm, out, N); break;
+    case 4: direct8_avx2<2, false>(y, yd, ys, K, q, dm, out, N); break;
+    case 7: direct8_avx2<3, true>(y, yd, ys, K, q, dm, out, N); break;
+    case 6: direct8_avx2<3, false>(y, yd, ys, K, q, dm, out, N); break;
+    case 9: direct8_avx2<4, true>(y, yd, ys, K, q, dm, out, N); break;
+    default: direct8_avx2<4, false>(y, yd, ys, K, q, dm, out, N); break;
+  }
+}
+
+// the tile's scales (d_w * d for every row, block and output) and offsets' terms, then its products
+REFUSION_AVX2 void tile8_avx2(const int8_t* y, const float* yd, const float* ys, int64_t rows, int64_t K,
+                              Tile8& t, bool four_bit, float* out, int64_t N) {
+  const int64_t B = K / kBlock;
+  std::vector<float>& scales = t.scales;
+  std::vector<float>& offsets = t.offsets;
+  scales.resize(rows * B * kTile);
+  offsets.resize(rows * kTile);
+  float dwt[kTile];
+  for (int64_t r = 0; r < rows; ++r) {
+    __m256 offset = _mm256_setzero_ps();
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t o = 0; o < kTile; ++o) dwt[o] = t.dw[o * B + b];
+      _mm256_storeu_ps(scales.data() + (r * B + b) * kTile,
+                       _mm256_mul_ps(_mm256_loadu_ps(dwt), _mm256_set1_ps(yd[r * B + b])));
+      offset = _mm256_fmadd_ps(_mm256_loadu_ps(t.mt.data() + b * kTile), _mm256_set1_ps(ys[r * B + b]), offset);
+    }
+    _mm256_storeu_ps(offsets.data() + r * kTile, offset);
+  }
+  (four_bit ? tile8_rows_avx2<true> : tile8_rows_avx2<false>)(y, scales.data(), rows, K, t, offsets.data(), out, N);
+}
+
 bool has_avx2() {
   static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                           __builtin_cpu_supports("f16c");
@@ -159,6 +417,12 @@ bool has_avx2() {
 bool has_avx2() { return false; }
 void dequantize_avx2(const uint8_t*, bool, const at::Half*, int64_t, float*) {}
 void tile_avx2(const float*, int64_t, int64_t, const float*, float*, int64_t) {}
+void quantize_block_avx2(const float*, int8_t*, float*, float*) {}
+void unpack_tile_avx2(const uint8_t*, bool, const at::Half*, int64_t, int64_t, int64_t, Tile8&) {}
+void tile8_avx2(const int8_t*, const float*, const float*, int64_t, int64_t, Tile8&, bool, float*, int64_t) {}
+constexpr int64_t kDirectRows = 0;
+void direct8_rows_avx2(const int8_t*, const float*, const float*, int64_t, int64_t, const uint8_t*, bool,
+                       const at::Half*, float*, int64_t) {}
 #endif
 
 }  // namespace
@@ -166,7 +430,8 @@ void tile_avx2(const float*, int64_t, int64_t, const float*, float*, int64_t) {}
 bool blocks_vectorized() { return has_avx2(); }
 
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& dm,
-                        const c10::optional<at::Tensor>& tail, const c10::optional<at::Tensor>& bias) {
+                        const c10::optional<at::Tensor>& tail, const c10::optional<at::Tensor>& bias,
+                        bool int8_rows) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && dm.scalar_type() == at::kHalf,
               "block_linear: fp32 rows and fp16 scales");
   const int64_t K = x.size(-1), blocked = q.size(0);
@@ -192,11 +457,53 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
     const int64_t q_row = q.size(1), dm_row = (K / kBlock) * 2, tiles = blocked / kTile;
     const bool avx2 = has_avx2();
     auto tile = avx2 ? tile_avx2 : tile_portable;
+    const int64_t B = K / kBlock;
+    Rows8 rows8;  // int8_rows: the rows rounded to 8-bit blocks, once for every tile
+    if (int8_rows) {
+      rows8.q.resize(rows * K);
+      rows8.d.resize(rows * B);
+      rows8.s.resize(rows * B);
+      auto quantize = avx2 ? quantize_block_avx2 : quantize_block_portable;
+      at::parallel_for(0, rows * B, 256, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          quantize(xs + i * kBlock, rows8.q.data() + i * kBlock, rows8.d.data() + i, rows8.s.data() + i);
+        }
+      });
+    }
     at::parallel_for(0, tiles + (extra + kTile - 1) / kTile, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> w(kTile * K);
       std::vector<float> last;  // a tail tile's outputs, of which the first `extra % kTile` are kept
+      Tile8 t8;
+      if (int8_rows) {
+        t8.w.resize(kTile * K);
+        t8.dw.resize(kTile * B);
+        t8.mt.resize(B * kTile);
+      }
       for (int64_t t = begin; t < end; ++t) {
         int64_t count = kTile;  // outputs of this tile
+        if (t < tiles && int8_rows && avx2 && rows <= kDirectRows) {
+          for (int64_t o = t * kTile; o < (t + 1) * kTile; ++o) {
+            direct8_rows_avx2(rows8.q.data(), rows8.d.data(), rows8.s.data(), rows, K, qs + o * q_row, four_bit,
+                              dms + o * dm_row, outs + o, N);
+          }
+          continue;
+        }
+        if (t < tiles && int8_rows) {
+          const int64_t n = t * kTile;
+          (avx2 ? unpack_tile_avx2 : unpack_tile_portable)(qs + n * q_row, four_bit, dms + n * dm_row, K, q_row,
+                                                           dm_row, t8);
+          for (int64_t r = 0; r < rows; r += kRowBlock) {
+            const int64_t chunk = std::min(kRowBlock, rows - r);
+            const int8_t* y = rows8.q.data() + r * K;
+            const float *yd = rows8.d.data() + r * B, *ys = rows8.s.data() + r * B;
+            if (avx2) {
+              tile8_avx2(y, yd, ys, chunk, K, t8, four_bit, outs + r * N + n, N);
+            } else {
+              tile8_portable(y, yd, ys, chunk, K, t8, outs + r * N + n, N);
+            }
+          }
+          continue;
+        }
         if (t < tiles) {
           for (int64_t o = 0; o < kTile; ++o) {
             int64_t n = t * kTile + o;

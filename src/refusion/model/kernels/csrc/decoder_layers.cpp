@@ -29,6 +29,7 @@ constexpr int64_t kPacked = 1;  // row_exact.PackedLinear: the oneDNN-packed bf1
 constexpr int64_t kInt4 = 2;    // int4.Int4Linear: the file's blocks (bf16: torch's int4 kernel; fp32: block_products)
 constexpr int64_t kSgemm = 3;   // sgemm.SgemmLinear: MKL's packed fp32 weight where it gives F.linear's bits
 constexpr int64_t kNarrow = 4;  // narrow.NarrowLinear: weight-major (W @ x.T).T for narrow forwards, maybe padded
+constexpr int64_t kInt4Q8 = 5;  // int4.Int4Q8Linear: the file's blocks times rows rounded to 8 bits (block_products)
 
 // states of a row count in an sgemm product's `exact` (sgemm.py NOT_PROBED, EXACT, INEXACT)
 constexpr uint8_t kNotProbed = 0;
@@ -464,7 +465,7 @@ std::vector<Tensor> product(const Product& p, const Tensor& x, const MaskRows& m
     if (p.kind == kPacked) {
       out = chunked_product(flat, p);
     } else if (flat.scalar_type() == at::kFloat) {  // Int4Linear.forward: int4.block_product
-      out = refusion::block_linear(flat, p.weight, p.scales, c10::nullopt, p.bias);
+      out = refusion::block_linear(flat, p.weight, p.scales, c10::nullopt, p.bias, p.kind == kInt4Q8);
     } else {
       out = at::_weight_int4pack_mm_for_cpu(flat.contiguous(), p.weight, p.group, p.scales);
       if (p.bias) out = out + *p.bias;
@@ -1072,7 +1073,8 @@ class Stack {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Update>(m, "Update").def(py::init<int64_t, Tensor, Tensor>());
   m.def("block_linear", &refusion::block_linear, "x @ w.T (+ bias) for fp32 rows and a GGUF file's blocks of w "
-        "(block_products.cpp)");
+        "(block_products.cpp)", py::arg("x"), py::arg("q"), py::arg("dm"), py::arg("tail"), py::arg("bias"),
+        py::arg("int8_rows") = false);
   m.def("blocks_vectorized", &refusion::blocks_vectorized, "whether block_linear runs vectorized here");
   m.def("mask_update", &mask_update, "out[rows] += (x[rows] @ a) @ b, a mask-gated adapter's update (see above)");
   py::class_<Product>(m, "Product")
