@@ -12,8 +12,8 @@ as KERNEL:DTYPE, e.g. `--kernels auto:float32,auto`), then llama.cpp's plain gre
 (`--llama-cpp DIR` holding a `llama-completion` binary; skipped without it). Reported per engine and prompt group:
 tokens, seconds, tokens/s (refusion: prefill included; llama.cpp: prompt evaluation included, and decode alone),
 the ratio to the first kernel's AR decoding, how many outputs equal that kernel's AR decoding (the exact mode's
-promise) and how many equal the first kernel's in the same mode (what switching kernels changes). Ends with one
-JSON line.
+promise), how many equal the first kernel's in the same mode (what switching kernels changes), and how many answers
+are llama.cpp's text (with `--llama-cpp`). Ends with one JSON line.
 
 The prompts are none of the tuning prompts named in docs/BENCHMARKS.md ("Prompts"): GSM8K test from example 401,
 ARC-Challenge test from 301, MBPP test ids from 311 (`PROMPT_GROUPS`), and the held-out part of the open-ended set
@@ -98,7 +98,7 @@ def llama_cpp_decode(binary: Path, gguf: Path, text: str, max_new_tokens: int, t
     decode = re.search(r"\beval time =\s*([\d.]+) ms /\s*(\d+) runs", report)
     decode_ms, runs = float(decode.group(1)), int(decode.group(2))
     return {"tokens": runs + 1, "seconds": (prompt_ms + decode_ms) / 1000, "decode_seconds": decode_ms / 1000,
-            "decode_tokens": runs}
+            "decode_tokens": runs, "text": out.stdout.replace("[end of text]", "").strip()}
 
 
 def load_kernel(spec: str, dtype: str | None):
@@ -169,8 +169,12 @@ def main() -> None:
                        "identical_to_first_kernel": d.sequence == decodes[f"{first}/{mode}"][i].sequence}
                 if mode != "ar":
                     row["identical_to_ar"] = d.sequence == decodes[f"{kernel}/ar"][i].sequence
+                theirs = [r["text"] for r in llama_rows if r["prompt"] == i]
+                if theirs:
+                    row["same_text_as_llama_cpp"] = tokenizer.decode(d.sequence, skip_special_tokens=True).strip() \
+                        == theirs[0]
                 rows.append(row)
-            rows += [r for r in llama_rows if r["prompt"] == i]
+            rows += [{k: v for k, v in r.items() if k != "text"} for r in llama_rows if r["prompt"] == i]
 
     summary = {}
     for group in [*groups, "all"]:
@@ -183,7 +187,7 @@ def main() -> None:
             if engine == "llama.cpp":
                 entry["decode_tokens_per_second"] = round(sum(r["decode_tokens"] for r in mine)
                                                           / sum(r["decode_seconds"] for r in mine), 2)
-            for flag in ("identical_to_ar", "identical_to_first_kernel"):
+            for flag in ("identical_to_ar", "identical_to_first_kernel", "same_text_as_llama_cpp"):
                 if any(flag in r for r in mine):
                     entry[flag] = f"{sum(r[flag] for r in mine)}/{len(mine)}"
             per_engine[engine] = entry
@@ -194,7 +198,7 @@ def main() -> None:
         print(f"== {group}")
         for engine, entry in per_engine.items():
             print(f"  {engine:12s} {entry['tokens_per_second']:7.1f} tok/s  x{entry['vs_first_ar']:.2f}  "
-                  + "  ".join(f"{k} {v}" for k, v in entry.items() if k.startswith(("identical", "decode"))))
+                  + "  ".join(f"{k} {v}" for k, v in entry.items() if k.startswith(("identical", "decode", "same"))))
     environment = conditions()
     emit({"benchmark": "linear_kernels", "kernels": {k: setup_of(m).describe() for k, (m, _) in models.items()},
           "max_new_tokens": args.max_new_tokens, "per_group": args.per_group, "threads": environment["threads"],

@@ -18,6 +18,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -105,7 +106,6 @@ void quantize_block_portable(const float* x, int8_t* q, float* d, float* s) {
 struct Tile8 {
   std::vector<int8_t> w;
   std::vector<float> dw, mt;
-  std::vector<float> scales, offsets;  // tile8_avx2's: d_w * d [rows, B, kTile] and the offsets' terms [rows, kTile]
 };
 
 void unpack_tile_portable(const uint8_t* q, bool four_bit, const at::Half* dm, int64_t K, int64_t q_row,
@@ -256,156 +256,98 @@ REFUSION_AVX2 void quantize_block_avx2(const float* x, int8_t* q, float* d, floa
   *s = *d * static_cast<float>(_mm_cvtsi128_si32(t));
 }
 
-REFUSION_AVX2 void unpack_tile_avx2(const uint8_t* q, bool four_bit, const at::Half* dm, int64_t K, int64_t q_row,
-                                    int64_t dm_row, Tile8& t) {
-  const int64_t B = K / kBlock;
-  const __m128i nibble = _mm_set1_epi8(15);
-  for (int64_t o = 0; o < kTile; ++o) {
-    const uint8_t* row = q + o * q_row;
-    int8_t* w = t.w.data() + o * K;
-    if (four_bit) {
-      for (int64_t b = 0; b < B; ++b) {
-        __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
-        __m128i low = _mm_and_si128(raw, nibble), high = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + b * kBlock), _mm256_set_m128i(high, low));
-      }
-    } else {
-      std::copy(row, row + K, reinterpret_cast<uint8_t*>(w));
-    }
-    const uint16_t* bits = reinterpret_cast<const uint16_t*>(dm + o * dm_row);
-    for (int64_t b = 0; b < B; ++b) {
-      t.dw[o * B + b] = _cvtsh_ss(bits[2 * b]);
-      t.mt[b * kTile + o] = _cvtsh_ss(bits[2 * b + 1]);
-    }
-  }
-}
-
-// acc[r][o] for RT rows by OT outputs of the tile (starting at output o0): products of bytes, summed exactly by lane
+// RT rows by OT outputs (from `q` and `half_dm`, rows q_row and dm_row apart), each output's blocks widened in
+// registers as they are read; the sums tile8_portable adds, in its order (every (row, output) its own chain of
+// multiply-adds: OT * RT chains side by side)
 template <int RT, int OT, bool FOUR>
-REFUSION_AVX2 inline void dot8_avx2(const int8_t* y, const float* scales, int64_t K, const Tile8& t, int64_t o0,
-                                    const float* offsets, float* out, int64_t N) {
+REFUSION_AVX2 inline void direct8_avx2(const int8_t* y, const float* yd, const float* ys, int64_t K,
+                                       const uint8_t* q, int64_t q_row, const at::Half* half_dm, int64_t dm_row,
+                                       float* out, int64_t N) {
   const int64_t B = K / kBlock;
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(half_dm);
   const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i nibble = _mm256_set1_epi8(15);
   __m256 acc[RT][OT];
   for (int r = 0; r < RT; ++r)
     for (int o = 0; o < OT; ++o) acc[r][o] = _mm256_setzero_ps();
   for (int64_t b = 0; b < B; ++b) {
     __m256i w[OT];
+    float d[OT];
     for (int o = 0; o < OT; ++o) {
-      w[o] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.w.data() + (o0 + o) * K + b * kBlock));
+      if ((b & 3) == 0) {  // each output's blocks are a stream of their own: fetched ahead
+        _mm_prefetch(reinterpret_cast<const char*>(q + o * q_row + (b + 8) * (FOUR ? 16 : kBlock)), _MM_HINT_T0);
+        if (!FOUR) {
+          _mm_prefetch(reinterpret_cast<const char*>(q + o * q_row + (b + 8) * kBlock + 64), _MM_HINT_T0);
+        }
+      }
+      if (FOUR) {
+        __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + o * q_row + b * 16));
+        w[o] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), nibble);
+      } else {
+        w[o] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + o * q_row + b * kBlock));
+      }
+      d[o] = _cvtsh_ss(bits[o * dm_row + 2 * b]);
     }
     for (int r = 0; r < RT; ++r) {
       __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + r * K + b * kBlock));
+      const float row_scale = yd[r * B + b];
       for (int o = 0; o < OT; ++o) {
         __m256i pairs = FOUR ? _mm256_maddubs_epi16(w[o], v)  // 0..15 times a signed byte
                              : _mm256_maddubs_epi16(_mm256_sign_epi8(w[o], w[o]), _mm256_sign_epi8(v, w[o]));
         __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-        acc[r][o] = _mm256_fmadd_ps(sum, _mm256_broadcast_ss(scales + (r * B + b) * kTile + o0 + o), acc[r][o]);
+        acc[r][o] = _mm256_fmadd_ps(sum, _mm256_set1_ps(d[o] * row_scale), acc[r][o]);
       }
     }
   }
-  for (int r = 0; r < RT; ++r)
-    for (int o = 0; o < OT; ++o) out[r * N + o0 + o] = sum_avx2(acc[r][o]) + offsets[r * kTile + o0 + o];
-}
-
-template <bool FOUR>
-REFUSION_AVX2 void tile8_rows_avx2(const int8_t* y, const float* scales, int64_t rows, int64_t K, const Tile8& t,
-                                   const float* offsets, float* out, int64_t N) {
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    for (int64_t o = 0; o < kTile; o += 2) {
-      dot8_avx2<4, 2, FOUR>(y + r * K, scales + r * (K / kBlock) * kTile, K, t, o, offsets + r * kTile, out + r * N, N);
-    }
-  }
-  for (; r + 2 <= rows; r += 2) {
-    for (int64_t o = 0; o < kTile; o += 2) {
-      dot8_avx2<2, 2, FOUR>(y + r * K, scales + r * (K / kBlock) * kTile, K, t, o, offsets + r * kTile, out + r * N, N);
-    }
-  }
-  for (; r < rows; ++r) {
-    for (int64_t o = 0; o < kTile; o += 4) {
-      dot8_avx2<1, 4, FOUR>(y + r * K, scales + r * (K / kBlock) * kTile, K, t, o, offsets + r * kTile, out + r * N, N);
-    }
-  }
-}
-
-// Few rows (up to kDirectRows): each output's blocks widened in registers as they are read, no tile buffer; the
-// same sums as tile8_avx2's, in the same order
-template <int RT, bool FOUR>
-REFUSION_AVX2 inline void direct8_avx2(const int8_t* y, const float* yd, const float* ys, int64_t K,
-                                       const uint8_t* q, const at::Half* half_dm, float* out, int64_t N) {
-  const int64_t B = K / kBlock;
-  float dm[kMaxBlocks * 2];  // the output's (d, m) widened to fp32
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(half_dm);
-  int64_t i = 0;
-  for (; i + 8 <= 2 * B; i += 8) {
-    _mm256_storeu_ps(dm + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + i))));
-  }
-  for (; i < 2 * B; ++i) dm[i] = _cvtsh_ss(bits[i]);
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i nibble = _mm256_set1_epi8(15);
-  __m256 acc[RT];
-  for (int r = 0; r < RT; ++r) acc[r] = _mm256_setzero_ps();
+  float offsets[RT][OT] = {};
   for (int64_t b = 0; b < B; ++b) {
-    __m256i w, u;
-    if (FOUR) {
-      __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
-      w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), nibble);
-      u = w;
-    } else {
-      w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * kBlock));
-      u = _mm256_sign_epi8(w, w);
-    }
-    for (int r = 0; r < RT; ++r) {
-      __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + r * K + b * kBlock));
-      __m256i pairs = _mm256_maddubs_epi16(u, FOUR ? v : _mm256_sign_epi8(v, w));
-      __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-      acc[r] = _mm256_fmadd_ps(sum, _mm256_set1_ps(dm[2 * b] * yd[r * B + b]), acc[r]);
-    }
+    float m[OT];
+    for (int o = 0; o < OT; ++o) m[o] = _cvtsh_ss(bits[o * dm_row + 2 * b + 1]);
+    for (int r = 0; r < RT; ++r)
+      for (int o = 0; o < OT; ++o) offsets[r][o] = std::fma(m[o], ys[r * B + b], offsets[r][o]);
   }
-  for (int r = 0; r < RT; ++r) {
-    float offsets = 0.0f;
-    for (int64_t b = 0; b < B; ++b) offsets = std::fma(dm[2 * b + 1], ys[r * B + b], offsets);
-    out[r * N] = sum_avx2(acc[r]) + offsets;
+  for (int r = 0; r < RT; ++r)
+    for (int o = 0; o < OT; ++o) out[r * N + o] = sum_avx2(acc[r][o]) + offsets[r][o];
+}
+
+// up to four rows of one tile's kTile outputs
+template <bool FOUR>
+REFUSION_AVX2 void direct8_tile_avx2(const int8_t* y, const float* yd, const float* ys, int64_t rows, int64_t K,
+                                     const uint8_t* q, int64_t q_row, const at::Half* dm, int64_t dm_row, float* out,
+                                     int64_t N) {
+  switch (rows) {
+    case 1:
+      for (int64_t o = 0; o < kTile; o += 4) {
+        direct8_avx2<1, 4, FOUR>(y, yd, ys, K, q + o * q_row, q_row, dm + o * dm_row, dm_row, out + o, N);
+      }
+      break;
+    case 2:
+      for (int64_t o = 0; o < kTile; o += 4) {
+        direct8_avx2<2, 4, FOUR>(y, yd, ys, K, q + o * q_row, q_row, dm + o * dm_row, dm_row, out + o, N);
+      }
+      break;
+    case 3:
+      for (int64_t o = 0; o < kTile; o += 2) {
+        direct8_avx2<3, 2, FOUR>(y, yd, ys, K, q + o * q_row, q_row, dm + o * dm_row, dm_row, out + o, N);
+      }
+      break;
+    default:
+      for (int64_t o = 0; o < kTile; o += 2) {
+        direct8_avx2<4, 2, FOUR>(y, yd, ys, K, q + o * q_row, q_row, dm + o * dm_row, dm_row, out + o, N);
+      }
   }
 }
 
-constexpr int64_t kDirectRows = 4;  // products of at most this many rows widen the blocks in registers
-
-REFUSION_AVX2 void direct8_rows_avx2(const int8_t* y, const float* yd, const float* ys, int64_t rows, int64_t K,
-                                     const uint8_t* q, bool four_bit, const at::Half* dm, float* out, int64_t N) {
-  switch (rows * 2 + (four_bit ? 1 : 0)) {
-    case 3: direct8_avx2<1, true>(y, yd, ys, K, q, dm, out, N); break;
-    case 2: direct8_avx2<1, false>(y, yd, ys, K, q, dm, out, N); break;
-    case 5: direct8_avx2<2, true>(y, yd, ys, K, q, dm, out, N); break;
-    case 4: direct8_avx2<2, false>(y, yd, ys, K, q, dm, out, N); break;
-    case 7: direct8_avx2<3, true>(y, yd, ys, K, q, dm, out, N); break;
-    case 6: direct8_avx2<3, false>(y, yd, ys, K, q, dm, out, N); break;
-    case 9: direct8_avx2<4, true>(y, yd, ys, K, q, dm, out, N); break;
-    default: direct8_avx2<4, false>(y, yd, ys, K, q, dm, out, N); break;
-  }
-}
-
-// the tile's scales (d_w * d for every row, block and output) and offsets' terms, then its products
+// one tile's kTile outputs for every row, four rows at a time (the tile's blocks stay in the CPU cache)
 REFUSION_AVX2 void tile8_avx2(const int8_t* y, const float* yd, const float* ys, int64_t rows, int64_t K,
-                              Tile8& t, bool four_bit, float* out, int64_t N) {
+                              const uint8_t* q, int64_t q_row, bool four_bit, const at::Half* dm, int64_t dm_row,
+                              float* out, int64_t N) {
   const int64_t B = K / kBlock;
-  std::vector<float>& scales = t.scales;
-  std::vector<float>& offsets = t.offsets;
-  scales.resize(rows * B * kTile);
-  offsets.resize(rows * kTile);
-  float dwt[kTile];
-  for (int64_t r = 0; r < rows; ++r) {
-    __m256 offset = _mm256_setzero_ps();
-    for (int64_t b = 0; b < B; ++b) {
-      for (int64_t o = 0; o < kTile; ++o) dwt[o] = t.dw[o * B + b];
-      _mm256_storeu_ps(scales.data() + (r * B + b) * kTile,
-                       _mm256_mul_ps(_mm256_loadu_ps(dwt), _mm256_set1_ps(yd[r * B + b])));
-      offset = _mm256_fmadd_ps(_mm256_loadu_ps(t.mt.data() + b * kTile), _mm256_set1_ps(ys[r * B + b]), offset);
-    }
-    _mm256_storeu_ps(offsets.data() + r * kTile, offset);
+  for (int64_t r = 0; r < rows; r += 4) {
+    (four_bit ? direct8_tile_avx2<true> : direct8_tile_avx2<false>)(y + r * K, yd + r * B, ys + r * B,
+                                                                     std::min<int64_t>(4, rows - r), K, q, q_row, dm,
+                                                                     dm_row, out + r * N, N);
   }
-  (four_bit ? tile8_rows_avx2<true> : tile8_rows_avx2<false>)(y, scales.data(), rows, K, t, offsets.data(), out, N);
 }
 
 bool has_avx2() {
@@ -418,11 +360,8 @@ bool has_avx2() { return false; }
 void dequantize_avx2(const uint8_t*, bool, const at::Half*, int64_t, float*) {}
 void tile_avx2(const float*, int64_t, int64_t, const float*, float*, int64_t) {}
 void quantize_block_avx2(const float*, int8_t*, float*, float*) {}
-void unpack_tile_avx2(const uint8_t*, bool, const at::Half*, int64_t, int64_t, int64_t, Tile8&) {}
-void tile8_avx2(const int8_t*, const float*, const float*, int64_t, int64_t, Tile8&, bool, float*, int64_t) {}
-constexpr int64_t kDirectRows = 0;
-void direct8_rows_avx2(const int8_t*, const float*, const float*, int64_t, int64_t, const uint8_t*, bool,
-                       const at::Half*, float*, int64_t) {}
+void tile8_avx2(const int8_t*, const float*, const float*, int64_t, int64_t, const uint8_t*, int64_t, bool,
+                const at::Half*, int64_t, float*, int64_t) {}
 #endif
 
 }  // namespace
@@ -471,59 +410,52 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
       });
     }
     at::parallel_for(0, tiles + (extra + kTile - 1) / kTile, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> w(kTile * K);
+      std::unique_ptr<float[]> w;  // the fp32 tile (allocated on first use, not zeroed: every use writes it first)
       std::vector<float> last;  // a tail tile's outputs, of which the first `extra % kTile` are kept
       Tile8 t8;
-      if (int8_rows) {
+      if (int8_rows && !avx2) {
         t8.w.resize(kTile * K);
         t8.dw.resize(kTile * B);
         t8.mt.resize(B * kTile);
       }
       for (int64_t t = begin; t < end; ++t) {
         int64_t count = kTile;  // outputs of this tile
-        if (t < tiles && int8_rows && avx2 && rows <= kDirectRows) {
-          for (int64_t o = t * kTile; o < (t + 1) * kTile; ++o) {
-            direct8_rows_avx2(rows8.q.data(), rows8.d.data(), rows8.s.data(), rows, K, qs + o * q_row, four_bit,
-                              dms + o * dm_row, outs + o, N);
-          }
-          continue;
-        }
         if (t < tiles && int8_rows) {
           const int64_t n = t * kTile;
-          (avx2 ? unpack_tile_avx2 : unpack_tile_portable)(qs + n * q_row, four_bit, dms + n * dm_row, K, q_row,
-                                                           dm_row, t8);
+          if (avx2) {
+            tile8_avx2(rows8.q.data(), rows8.d.data(), rows8.s.data(), rows, K, qs + n * q_row, q_row, four_bit,
+                       dms + n * dm_row, dm_row, outs + n, N);
+            continue;
+          }
+          unpack_tile_portable(qs + n * q_row, four_bit, dms + n * dm_row, K, q_row, dm_row, t8);
           for (int64_t r = 0; r < rows; r += kRowBlock) {
             const int64_t chunk = std::min(kRowBlock, rows - r);
-            const int8_t* y = rows8.q.data() + r * K;
-            const float *yd = rows8.d.data() + r * B, *ys = rows8.s.data() + r * B;
-            if (avx2) {
-              tile8_avx2(y, yd, ys, chunk, K, t8, four_bit, outs + r * N + n, N);
-            } else {
-              tile8_portable(y, yd, ys, chunk, K, t8, outs + r * N + n, N);
-            }
+            tile8_portable(rows8.q.data() + r * K, rows8.d.data() + r * B, rows8.s.data() + r * B, chunk, K, t8,
+                           outs + r * N + n, N);
           }
           continue;
         }
+        if (!w) w.reset(new float[kTile * K]);
         if (t < tiles) {
           for (int64_t o = 0; o < kTile; ++o) {
             int64_t n = t * kTile + o;
             (avx2 ? dequantize_avx2 : dequantize_portable)(qs + n * q_row, four_bit, dms + n * dm_row, K,
-                                                           w.data() + o * K);
+                                                           w.get() + o * K);
           }
         } else {  // the dense rows as they are (zero rows after the last)
           int64_t first = (t - tiles) * kTile;
           count = std::min(kTile, extra - first);
-          std::fill(w.begin(), w.end(), 0.0f);
-          std::copy(tails + first * K, tails + (first + count) * K, w.begin());
+          std::fill(w.get(), w.get() + kTile * K, 0.0f);
+          std::copy(tails + first * K, tails + (first + count) * K, w.get());
         }
         for (int64_t r = 0; r < rows; r += kRowBlock) {
           int64_t chunk = std::min(kRowBlock, rows - r);
           if (count == kTile) {
-            tile(xs + r * K, chunk, K, w.data(), outs + r * N + t * kTile, N);
+            tile(xs + r * K, chunk, K, w.get(), outs + r * N + t * kTile, N);
             continue;
           }
           last.resize(chunk * kTile);
-          tile(xs + r * K, chunk, K, w.data(), last.data(), kTile);
+          tile(xs + r * K, chunk, K, w.get(), last.data(), kTile);
           for (int64_t i = 0; i < chunk; ++i) {
             std::copy(last.begin() + i * kTile, last.begin() + i * kTile + count, outs + (r + i) * N + t * kTile);
           }
