@@ -6,7 +6,11 @@ preset (the exact mode) and for AR decoding (`"refusion": {"strategy": "autoregr
 llama.cpp's `llama-server` on the base model's own GGUF file (`--llama-server BIN`; weights repacked as it does by
 default, warmed up, `-np` slots as many as refusion's batch rows; `--llama-no-repack` where repacking dies). At each concurrency (`--clients`, default 1, 4,
 16, 64), every client sends requests from a shared queue of prompts until `--requests` (default: max(2 x clients,
-12)) are answered; the refusion variants take turns level by level. Answers end at EOS or `--max-tokens`.
+12)) are answered; at each level the refusion variants and then llama-server take their turns (the refusion server
+stays up, idle, while llama-server runs), so that the machine's drift between levels hits every server alike.
+Answers end at EOS or `--max-tokens`. Every level resends the same prompts, so the refusion server runs without its
+prefix cache (`--prefix-cache-mb 0`): each request prefills its whole prompt, as a new user's would (llama-server's
+slots keep only their own last prompt; the prefix cache has its own workloads below).
 
 Prompts (`held_out_prompts`): GSM8K test from example 601, ARC-Challenge test from 401 and MBPP test ids from 411
 in `refusion eval`'s formats, with near-twins of the draft table's data (`refusion.eval.twins`) left out, and
@@ -127,6 +131,19 @@ def start_llama(binary: str, port: int, slots: int, threads: int, context: int, 
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_healthy(proc, f"http://127.0.0.1:{port}/health", "llama-server")
     return proc
+
+
+def llama_level(args, name: str, spec: str, prompts: list[str], clients: int, requests: int) -> dict:
+    """One level against a fresh llama-server (`spec`: its speculation), warmed up first."""
+    port = free_port()
+    llama = start_llama(args.llama_server, port, args.slots, args.llama_threads, 2048, spec, not args.llama_no_repack)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        asyncio.run(run_level(base, prompts, 1, 1, 16, {}))  # warm-up
+        return show(name, asyncio.run(run_level(base, prompts, clients, requests, args.max_tokens, {})))
+    finally:
+        llama.terminate()
+        llama.wait()
 
 
 # ------------------------------------------------------------------------------------------ clients
@@ -415,21 +432,28 @@ def main() -> None:
         return
     variants = {"preset": {}, "autoregressive": {"refusion": {"strategy": "autoregressive"}}}
     results: dict[str, list] = {name: [] for name in variants}
+    llamas = [("llama_server" if spec == "none" else f"llama_server_{spec}", spec)
+              for spec in (args.llama_specs.split(",") if args.llama_server else [])]
+    results.update({name: [] for name, _ in llamas})
 
     port = free_port()
     weights = ("--linear", args.linear, *(("--dtype", args.dtype) if args.dtype else ()))
-    server = start_refusion(port, args.slots, args.threads, weights)
+    # no prefix cache: the levels resend the same prompts, which a cache would answer from memory after their
+    # first pass (llama-server's slots keep only their own last prompt)
+    server = start_refusion(port, args.slots, args.threads, (*weights, "--prefix-cache-mb", "0"))
     base = f"http://127.0.0.1:{port}"
     try:
         info = httpx.get(f"{base}/v1/models", timeout=10).json()
         for extra in variants.values():  # warm-up
             asyncio.run(run_level(base, prompts, 1, 1, 16, extra))
-        for clients in levels:
+        for clients in levels:  # every server's turn at a level, one after another (the refusion server idle)
             requests = args.requests or max(2 * clients, 12)
             for name, extra in variants.items():
                 time.sleep(0.5)
                 results[name].append(show(name, asyncio.run(run_level(base, prompts, clients, requests,
                                                                       args.max_tokens, extra))))
+            for name, spec in llamas:
+                results[name].append(llama_level(args, name, spec, prompts, clients, requests))
         if args.library:
             results["library"] = against_library(base, prompts, args.requests or 12, args.max_tokens, args.threads,
                                                  args.linear, args.dtype)
@@ -438,22 +462,6 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait()
-    for spec in args.llama_specs.split(",") if args.llama_server else []:
-        name = "llama_server" if spec == "none" else f"llama_server_{spec}"
-        results[name] = []
-        for clients in levels:
-            requests = args.requests or max(2 * clients, 12)
-            port = free_port()
-            llama = start_llama(args.llama_server, port, args.slots, args.llama_threads, 2048, spec,
-                                not args.llama_no_repack)
-            try:
-                base = f"http://127.0.0.1:{port}"
-                asyncio.run(run_level(base, prompts, 1, 1, 16, {}))  # warm-up
-                results[name].append(show(name, asyncio.run(run_level(base, prompts, clients, requests,
-                                                                      args.max_tokens, {}))))
-            finally:
-                llama.terminate()
-                llama.wait()
     ratios = {f"preset_over_ar_at_{r['clients']}": r["output_tokens_per_second"] / a["output_tokens_per_second"]
               for r, a in zip(results["preset"], results["autoregressive"])}
     if args.library:

@@ -89,7 +89,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "(bf16 on a CPU with native bf16, row-exact), narrow (weight-major few-token products), sgemm "
                              "(fp32 weights packed once for MKL, F.linear's bits), int4 "
                              "(a GGUF model's blocks multiplied directly on the CPU: faster; fp32: the same "
-                             "weights summed in another order, bf16: other rounding than bf16 weights)")
+                             "weights summed in another order, bf16: other rounding than bf16 weights), "
+                             "int4-q8 (fp32: those blocks times rows rounded to 8-bit blocks, llama.cpp's "
+                             "arithmetic; fastest at one row, other answers than the base model's)")
     parser.add_argument("--attention", default=None, metavar="IMPL",
                         help="attention implementation: sdpa, eager or refusion_exact (default: refusion_exact for "
                              "bf16 on a CPU with native bf16, else sdpa)")

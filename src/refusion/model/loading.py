@@ -151,7 +151,8 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
         linear: the linear kernel, "auto" (chosen by the CPU's features, and where that does not decide, by probes
             timed once per machine and recorded: `refusion.model.calibration`) or pinned: "plain", "packed", "narrow", "sgemm", or
             "int4" (a GGUF source's blocks multiplied directly: faster on the CPU, other rounding than the plain kernels;
-            `refusion.model.kernels.int4`) (`refusion.model.setup.prepare`).
+            `refusion.model.kernels.int4`), or "int4-q8" (those blocks times rows rounded to 8-bit blocks, as
+            llama.cpp multiplies: fp32 models, other numbers than the base model's) (`refusion.model.setup.prepare`).
         compile: decode through `torch.compile` over fixed shapes (CUDA graphs on a GPU: `refusion.model.compiled`);
             each width's first forward compiles. Off by default (docs/DECODING.md, "Compiled forwards").
         implementation: whose code builds the model: "auto" (refusion's own model definition,

@@ -54,7 +54,7 @@ class Kernels:
 
     linear: str
     """The linear kernel's name in the registry (`model.kernels.registry.LINEAR_KERNELS`: "plain", "packed",
-    "narrow", "sgemm" or "int4")."""
+    "narrow", "sgemm", "int4" or "int4-q8")."""
 
     attention: str
     """The attention implementation the model runs ("sdpa", "eager", "refusion_exact", ...)."""
@@ -179,7 +179,8 @@ def prepare(model, tokenizer=None, *, directory: str | Path | None = None, linea
             few-token products where the probe measures them faster, else packed fp32 ones where MKL has them and
             they measure faster, else plain; the probes run once per machine and model and are recorded:
             `model.calibration`), or "plain" / "packed" / "narrow" / "sgemm" to pin the choice, or "int4" to
-            multiply by the 4-bit blocks of `weights_file` (bf16 on the CPU; other numbers than bf16 weights).
+            multiply by the 4-bit blocks of `weights_file` (bf16 on the CPU; other numbers than bf16 weights), or
+            "int4-q8" to multiply them by rows rounded to 8-bit blocks (fp32 models; llama.cpp's arithmetic).
         weights_file: the GGUF file the model was loaded from (what "int4" reads), or None.
         compile: run decoding forwards through `torch.compile` over fixed shapes (`refusion.model.compiled`;
             CUDA graphs on a GPU); the first forwards of each width compile (seconds to a minute).
