@@ -50,6 +50,20 @@ def test_blocks_unpack_to_what_gguf_dequantizes_bit_for_bit(kind):
     assert np.array_equal(blocks.dequantize().numpy(), expected)  # the plain fp32 load's weights, bit for bit
 
 
+def assert_rows_as_alone(layer: nn.Module, x: torch.Tensor, widths: tuple[int, ...]) -> None:
+    """Each of the first `widths` rows of x (its second-to-last dimension) comes out of `layer` bit for bit as it
+    does alone, and all of them alike on one thread as on several."""
+    alone = torch.cat([layer(x[..., i:i + 1, :]) for i in range(x.shape[-2])], dim=-2)
+    for width in widths:
+        assert torch.equal(layer(x[..., :width, :]), alone[..., :width, :]), width
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(layer(x), alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @needs_native
 @pytest.mark.parametrize("kind,extra_rows", [("Q4_0", 0), ("Q4_1", 0), ("Q8_0", 0), ("Q8_0", 3), ("Q4_1", 11)])
 @torch.no_grad()
@@ -64,15 +78,7 @@ def test_fp32_products_are_the_files_weights_and_every_row_comes_out_as_alone(ki
     int4.switch_to_int4(layer, *int4.pack(blocks, torch.float32))
     x = torch.randn(2, 70, 4 * GROUP)  # 140 rows: past the kernel's blocks of 64 rows
     torch.testing.assert_close(layer(x), reference(x), rtol=1e-5, atol=1e-5)
-    alone = torch.cat([layer(x[:, i:i + 1]) for i in range(70)], dim=1)
-    for width in (1, 2, 3, 5, 8, 33, 70):
-        assert torch.equal(layer(x[:, :width]), alone[:, :width]), width
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(layer(x), alone)
-    finally:
-        torch.set_num_threads(threads)
+    assert_rows_as_alone(layer, x, (1, 2, 3, 5, 8, 33, 70))
     assert set(layer.state_dict()) == {"weight", "bias"}
     with torch.enable_grad():  # training takes the plain weight, with autograd
         assert layer(x[:, :2]).requires_grad
@@ -110,15 +116,7 @@ def test_int8_rows_multiply_as_llama_cpp_and_every_row_comes_out_as_alone(kind, 
     torch.testing.assert_close(out[:, :48].double(), expected, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(out[:, 48:], x @ tail.t() + bias[48:], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(out, x @ layer.weight.t() + bias, rtol=1e-5, atol=1e-5)  # the rows were rounded
-    alone = torch.cat([layer(x[i:i + 1]) for i in range(140)])
-    for width in (1, 2, 3, 4, 5, 8, 33, 70, 140):
-        assert torch.equal(layer(x[:width]), alone[:width]), width
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(layer(x), alone)
-    finally:
-        torch.set_num_threads(threads)
+    assert_rows_as_alone(layer, x, (1, 2, 3, 4, 5, 8, 33, 70, 140))
     assert int4.int8_rows_match()
 
 
@@ -266,17 +264,25 @@ def test_fp32_int4_decodes_the_exact_mode_and_batches_as_autoregressive_decoding
     plain.load_state_dict(model.state_dict())
     setup = prepare(model, weights_file=path, linear="int4")
     assert setup.kernels.linear == "int4" and "15 of 15" in setup.kernels.reason and setup.row_exact
-    prompts = [[1, 5, 7, 9], [1, 3, 4, 5, 6, 7, 8, 10, 11], [9, 12, 13]]
+    assert_exact_mode_and_batches_decode_as_ar(model)
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+PROMPTS = [[1, 5, 7, 9], [1, 3, 4, 5, 6, 7, 8, 10, 11], [9, 12, 13]]
+"""Token ids of the tiny model's decoding tests."""
+
+
+def assert_exact_mode_and_batches_decode_as_ar(model) -> None:
+    """The exact mode (one draft and four) and AR decoding of PROMPTS as a batch give AR decoding's tokens alone."""
     ar = refusion.DecodeConfig(max_new_tokens=24, strategy="autoregressive", eos_token_id=2)
-    alone = [refusion.generate(model, [p], ar).sequences[0] for p in prompts]
+    alone = [refusion.generate(model, [p], ar).sequences[0] for p in PROMPTS]
     for draft_length in (1, 4):
         cfg = refusion.DecodeConfig(max_new_tokens=24, strategy="speculative", draft_length=draft_length,
                                     eos_token_id=2)
-        assert refusion.generate(model, prompts, cfg).sequences == alone, draft_length
-    assert refusion.generate(model, prompts, ar).sequences == alone
-    ids = torch.tensor([prompts[1]])
-    with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-5)
+        assert refusion.generate(model, PROMPTS, cfg).sequences == alone, draft_length
+    assert refusion.generate(model, PROMPTS, ar).sequences == alone
 
 
 @needs_native
@@ -284,20 +290,14 @@ def test_int8_rows_decode_the_exact_mode_and_batches_as_autoregressive_decoding(
     """int4-q8, pinned: every layer and the Q8_0 head multiply rounded rows, every row as alone, so the exact mode is
     its AR decoding and a batch decodes each sequence as alone; its logits are int4's to the rows' rounding."""
     model, path = tiny_int4_llama(tmp_path, monkeypatch, torch.float32, head=True)
-    blocks, _ = tiny_int4_llama(tmp_path, monkeypatch, torch.float32, head=True)
+    blocks = tiny_model("llama", hidden_size=128, heads=4, kv_heads=2, attn_implementation=row_exact.EXACT_ATTENTION)
+    blocks.load_state_dict(model.state_dict())  # the same weights, fp32 rows ("int4")
     setup = prepare(model, weights_file=path, linear="int4-q8")
     assert setup.kernels.linear == "int4-q8" and "15 of 15" in setup.kernels.reason and setup.row_exact
     assert sum(type(m) is int4.Int4Q8Linear for m in model.modules()) == 15
     prepare(blocks, weights_file=path, linear="int4")
-    prompts = [[1, 5, 7, 9], [1, 3, 4, 5, 6, 7, 8, 10, 11], [9, 12, 13]]
-    ar = refusion.DecodeConfig(max_new_tokens=24, strategy="autoregressive", eos_token_id=2)
-    alone = [refusion.generate(model, [p], ar).sequences[0] for p in prompts]
-    for draft_length in (1, 4):
-        cfg = refusion.DecodeConfig(max_new_tokens=24, strategy="speculative", draft_length=draft_length,
-                                    eos_token_id=2)
-        assert refusion.generate(model, prompts, cfg).sequences == alone, draft_length
-    assert refusion.generate(model, prompts, ar).sequences == alone
-    ids = torch.tensor([prompts[1]])
+    assert_exact_mode_and_batches_decode_as_ar(model)
+    ids = torch.tensor([PROMPTS[1]])
     with torch.no_grad():
         ours, theirs = model(ids).logits, blocks(ids).logits
     assert not torch.equal(ours, theirs)

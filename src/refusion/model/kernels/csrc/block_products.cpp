@@ -272,7 +272,7 @@ REFUSION_AVX2 inline void direct8_avx2(const int8_t* y, const float* yd, const f
     for (int o = 0; o < OT; ++o) acc[r][o] = _mm256_setzero_ps();
   for (int64_t b = 0; b < B; ++b) {
     __m256i w[OT];
-    float d[OT];
+    __m256 d[OT];  // each output's block scale, in every lane
     for (int o = 0; o < OT; ++o) {
       if ((b & 3) == 0) {  // each output's blocks are a stream of their own: fetched ahead
         _mm_prefetch(reinterpret_cast<const char*>(q + o * q_row + (b + 8) * (FOUR ? 16 : kBlock)), _MM_HINT_T0);
@@ -286,16 +286,16 @@ REFUSION_AVX2 inline void direct8_avx2(const int8_t* y, const float* yd, const f
       } else {
         w[o] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + o * q_row + b * kBlock));
       }
-      d[o] = _cvtsh_ss(bits[o * dm_row + 2 * b]);
+      d[o] = _mm256_set1_ps(_cvtsh_ss(bits[o * dm_row + 2 * b]));
     }
     for (int r = 0; r < RT; ++r) {
       __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + r * K + b * kBlock));
-      const float row_scale = yd[r * B + b];
+      const __m256 row_scale = _mm256_broadcast_ss(yd + r * B + b);
       for (int o = 0; o < OT; ++o) {
         __m256i pairs = FOUR ? _mm256_maddubs_epi16(w[o], v)  // 0..15 times a signed byte
                              : _mm256_maddubs_epi16(_mm256_sign_epi8(w[o], w[o]), _mm256_sign_epi8(v, w[o]));
         __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-        acc[r][o] = _mm256_fmadd_ps(sum, _mm256_set1_ps(d[o] * row_scale), acc[r][o]);
+        acc[r][o] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d[o], row_scale), acc[r][o]);  // d_w * d rounded, as alone
       }
     }
   }
