@@ -359,10 +359,11 @@ def test_the_embedded_model_in_fp32_multiplies_its_shipped_blocks_head_too():
 @needs_native
 @pytest.mark.slow
 def test_the_embedded_model_with_int8_rows_decodes_the_exact_mode_as_its_ar():
-    """int4-q8 on the embedded model: all 211 products round their rows, and its exact mode is its own AR decoding."""
+    """int4-q8 on the embedded model: all 211 products round their rows, with exact attention (`default_attention`)
+    every row is computed as alone, and its exact mode is its own AR decoding."""
     model, tokenizer = refusion.load(linear="int4-q8", dtype="float32")
     setup = setup_of(model)
-    assert setup.kernels.linear == "int4-q8" and "211 of 211" in setup.kernels.reason
+    assert setup.kernels.linear == "int4-q8" and "211 of 211" in setup.kernels.reason and setup.row_exact
     ids = refusion.encode_prompts(tokenizer, ["Name three colors.", "What is 12 times 7?"])
     ar = refusion.generate(model, ids, strategy="autoregressive", max_new_tokens=24).sequences
     assert refusion.generate(model, ids, strategy="speculative", max_new_tokens=24).sequences == ar

@@ -118,6 +118,7 @@ def test_load_picks_dtype_and_attention_that_keep_rows_exact(monkeypatch):
     expected = row_exact.EXACT_ATTENTION if row_exact.packing_available() else "sdpa"
     assert loading.default_attention(cpu, torch.bfloat16) == expected
     assert loading.default_attention(cpu, torch.float32) == "sdpa"
+    assert loading.default_attention(cpu, torch.float32, "int4-q8") == row_exact.EXACT_ATTENTION
     assert loading.default_attention(torch.device("cuda"), torch.bfloat16) == "sdpa"
     monkeypatch.setattr(loading, "packing_available", lambda: False)
     assert loading.default_dtype(cpu) == torch.float32

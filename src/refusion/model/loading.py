@@ -85,10 +85,15 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if packing_available() and packed_rows_match() else torch.float32
 
 
-def default_attention(device: torch.device, dtype: torch.dtype) -> str:
+def default_attention(device: torch.device, dtype: torch.dtype, linear: str = "auto") -> str:
     """EXACT_ATTENTION for bf16 on a CPU with packed bf16 products (every row of a forward as it would be alone:
-    `refusion.model.kernels.row_exact`), "sdpa" elsewhere."""
-    return EXACT_ATTENTION if device.type == "cpu" and dtype == torch.bfloat16 and packing_available() else "sdpa"
+    `refusion.model.kernels.row_exact`) and for the CPU kernel "int4-q8", "sdpa" elsewhere. int4-q8 rounds every
+    product's rows to 8 bits, which turns the last-bit differences of sdpa's rows at other widths into other
+    bytes: with sdpa its exact mode gave its own AR decoding's answer for 2 of 20 held-out prompts, with exact
+    attention for 20 of 20, at the same speed on E5 (docs/archive/BENCHMARKS-JOURNAL.md, *Rows rounded to 8 bits*)."""
+    if device.type != "cpu":
+        return "sdpa"
+    return EXACT_ATTENTION if linear == "int4-q8" or (dtype == torch.bfloat16 and packing_available()) else "sdpa"
 
 
 def default_device() -> torch.device:
@@ -147,7 +152,7 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
         dtype: torch dtype or its name ("bfloat16", "float32", ...); None: `default_dtype(device)` (bf16 on
             a GPU that has it and on a CPU with native bf16, else fp16 on a GPU and fp32 on the CPU).
         device: "cpu", "cuda", ...; None picks CUDA when available.
-        attn_implementation: "sdpa", "eager" or "refusion_exact"; None: `default_attention(device, dtype)`.
+        attn_implementation: "sdpa", "eager" or "refusion_exact"; None: `default_attention(device, dtype, linear)`.
         linear: the linear kernel, "auto" (chosen by the CPU's features, and where that does not decide, by probes
             timed once per machine and recorded: `refusion.model.calibration`) or pinned: "plain", "packed", "narrow", "sgemm", or
             "int4" (a GGUF source's blocks multiplied directly: faster on the CPU, other rounding than the plain kernels;
@@ -178,7 +183,7 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
             raise ValueError(f"dtype={dtype!r} is not a torch dtype (try bfloat16, float16 or float32)")
         dtype = getattr(torch, dtype)
     dtype = dtype or default_dtype(device)
-    attn_implementation = attn_implementation or default_attention(device, dtype)
+    attn_implementation = attn_implementation or default_attention(device, dtype, linear)
     source = resolve_source(path)
     if not source.is_local and not _in_local_cache(source.path) and not hub_reachable():
         raise ValueError(f"could not load {source.path!r}: it is not a local path, not in the local Hugging Face "
