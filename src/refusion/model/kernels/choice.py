@@ -15,7 +15,13 @@ from pathlib import Path
 
 from refusion.model import calibration
 from refusion.model.calibration import require, whole
-from refusion.model.kernels.registry import check_linear, kernel, kernel_of_layer, linear_kernel_of
+from refusion.model.kernels.registry import (
+    BLOCK_KINDS,
+    check_linear,
+    kernel,
+    kernel_of_layer,
+    linear_kernel_of,
+)
 
 PINNED = "pinned by the caller"
 PROBE_VERSION = 2
@@ -33,7 +39,7 @@ def choose_linear_kernel(model, linear: str = "auto", weights_file: str | Path |
     from refusion.model.kernels.sgemm import use_sgemm_linears
 
     check_linear(linear)
-    if linear in ("int4", "int4-q8"):
+    if linear in BLOCK_KINDS:
         switched, total = use_shipped_int4(model, weights_file, int8_rows=linear == "int4-q8")
         use_packed_linears(model)  # the layers the file does not ship in 4 bits (embedding / LM head, adapters)
         return linear, f"{PINNED}: {switched} of {total} linear layers multiply by the file's blocks"
@@ -158,17 +164,17 @@ def use_shipped_int4(model, weights_file: str | Path | None, int8_rows: bool = F
     import torch
     from torch import nn
 
+    from refusion.model.kernels.extension import native_available
     from refusion.model.kernels.int4 import (
         Int4Linear,
         Int4Q8Linear,
         int4_available,
-        int8_rows_available,
         shipped_int4,
         use_int4_linears,
     )
 
     parameter = next(model.parameters())
-    if int8_rows and (parameter.dtype != torch.float32 or not int8_rows_available()):
+    if int8_rows and (parameter.dtype != torch.float32 or not native_available()):
         raise ValueError("linear='int4-q8' rounds fp32 rows to 8 bits in refusion's C++ extension: load with "
                          "dtype='float32' on a machine that builds it (or use linear='int4')")
     if weights_file is None or not str(weights_file).endswith(".gguf"):

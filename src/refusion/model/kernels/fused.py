@@ -46,7 +46,7 @@ from refusion.model.kernels.int4 import (
 )
 from refusion.model.kernels.narrow import MAX_ROWS as NARROW_MAX_ROWS
 from refusion.model.kernels.narrow import narrow_product
-from refusion.model.kernels.registry import kernel_of_layer
+from refusion.model.kernels.registry import BLOCK_KINDS, kernel_of_layer
 from refusion.model.kernels.row_exact import (
     chunked_product,
     exact_rows,
@@ -66,10 +66,6 @@ FUSION_PROBE_VERSION = 1
 """Part of `fusion_is_exact`'s record key: bump when `probe_fusion` changes what it reports."""
 PACKED_PROBE_ROWS = (*range(1, 34), 64, 100)
 """Row counts at which `fusion_is_exact` compares the packed copies of narrow products (any count takes them)."""
-
-
-BLOCK_KINDS = ("int4", "int4-q8")
-"""Kernels whose fused products multiply by the members' blocks (`int4.Int4Linear`, `int4.Int4Q8Linear`)."""
 
 
 def base_of(layer: nn.Module) -> nn.Module:
@@ -123,7 +119,7 @@ class FusedProduct:
         elif self.kind == "narrow":
             out = narrow_product(flat, self.weight, self.bias, self.padded_rows, self.packed_from, self._packed)
         elif x.dtype == torch.float32:
-            out = block_product(flat, self.weight, self.scales, self.bias, int8_rows=self.kind == "int4-q8")
+            out = block_product(flat, self.weight, self.scales, self.bias, int8_rows=self.bases[0].int8_rows)
         else:
             out = torch._weight_int4pack_mm_for_cpu(flat.contiguous(), self.weight, GROUP, self.scales)
             if self.bias is not None:

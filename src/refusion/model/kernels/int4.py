@@ -373,9 +373,10 @@ def _unpack_blocks(data: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray,
     return q.reshape(rows, -1), d, m
 
 
-def int8_rows_available() -> bool:
-    """Whether the kernel "int4-q8" runs here: refusion's C++ extension built (vectorized or lane by lane)."""
-    return native_available()
+def _rows_as_alone(product, x: torch.Tensor) -> bool:
+    """Whether `product` computes every prefix of the rows of `x` bit for bit as it computes each row alone."""
+    alone = torch.cat([product(x[i:i + 1]) for i in range(x.shape[0])])
+    return all(torch.equal(product(x[:r]), alone[:r]) for r in range(2, x.shape[0] + 1))
 
 
 @functools.cache
@@ -392,13 +393,9 @@ def int8_rows_match(rows: int = 32) -> bool:
     eight = Int4Blocks(torch.randint(-128, 128, (64, 4 * GROUP), generator=generator, dtype=torch.int32), scale,
                        torch.zeros_like(scale), 8)
     x = torch.randn(rows, 4 * GROUP, generator=generator)
-    for blocks in (four, eight):
-        q, dm = pack_fp32(blocks)
-        alone = torch.cat([block_product(x[i:i + 1], q, dm, None, int8_rows=True) for i in range(rows)])
-        if not all(torch.equal(block_product(x[:r], q, dm, None, int8_rows=True), alone[:r])
-                   for r in range(2, rows + 1)):
-            return False
-    return True
+    packed = [pack_fp32(blocks) for blocks in (four, eight)]
+    return all(_rows_as_alone(lambda rows_, q=q, dm=dm: block_product(rows_, q, dm, None, int8_rows=True), x)
+               for q, dm in packed)
 
 
 @functools.cache
@@ -411,15 +408,10 @@ def int4_rows_match(rows: int = 32) -> bool:
     scale, offset = torch.rand(2, 64, 4, generator=generator).half().float()  # fp16, as a file holds
     blocks = Int4Blocks(q, scale, offset)
     x = torch.randn(rows, 4 * GROUP, generator=generator)
-
-    def rows_as_alone(product) -> bool:
-        alone = torch.cat([product(x[i:i + 1]) for i in range(rows)])
-        return all(torch.equal(product(x[:r]), alone[:r]) for r in range(2, rows + 1))
-
-    if not native_available() or not rows_as_alone(lambda rows_: block_product(rows_, *pack_fp32(blocks), None)):
+    if not native_available() or not _rows_as_alone(lambda rows_: block_product(rows_, *pack_fp32(blocks), None), x):
         return False
     if not int4_available():
         return True
     packed, scales = pack(blocks)
-    return rows_as_alone(lambda rows_: torch._weight_int4pack_mm_for_cpu(rows_.to(torch.bfloat16), packed, GROUP,
-                                                                        scales))
+    return _rows_as_alone(lambda rows_: torch._weight_int4pack_mm_for_cpu(rows_.to(torch.bfloat16), packed, GROUP,
+                                                                         scales), x)

@@ -40,8 +40,8 @@ from refusion.model.kernels.fused import LINEAR_NAMES, FusedProduct, base_of
 from refusion.model.kernels.gated_lora import MaskGatedLoRA, mask_rows_of
 from refusion.model.kernels.int4 import GROUP
 from refusion.model.kernels.narrow import MAX_ROWS as NARROW_MAX_ROWS
+from refusion.model.kernels.registry import BLOCK_KINDS, kernel_of_layer
 from refusion.model.kernels.registry import kernel as registered_kernel
-from refusion.model.kernels.registry import kernel_of_layer
 from refusion.model.kernels.row_exact import EXACT_ATTENTION, SOFTMAX_COLUMNS
 
 ATTENTIONS = {EXACT_ATTENTION: 0, "sdpa": 1}
@@ -155,7 +155,7 @@ class NativeLayers:
             packed, exact = base._packed(), base.exact
         elif kernel.name == "packed":
             weight, rows, low_rows = base._packed(), base.exact_rows.high, base.exact_rows.low
-        elif kernel.name in ("int4", "int4-q8"):
+        elif kernel.name in BLOCK_KINDS:
             weight, _, scales = base.blocks()
         elif kernel.name == "narrow":
             rows, low_rows, padded = NARROW_MAX_ROWS, base.packed_from, list(base.padded_rows)

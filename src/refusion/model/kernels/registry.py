@@ -83,13 +83,16 @@ LINEAR_KERNELS: tuple[LinearKernel, ...] = (
                  None, row_exact=True, rows_probe=f"{_KERNELS}.int4:int4_rows_match", native_code=2, fuses=True,
                  auto=True, summary="products by the GGUF file's 4-bit blocks (other rounding than the plain weights)"),
     LinearKernel("int4-q8", f"{_KERNELS}.int4:Int4Q8Linear", ("cpu",), ("float32",),
-                 "a GGUF file's Q4_0 / Q4_1 blocks and refusion's C++ extension", f"{_KERNELS}.int4:int8_rows_available",
+                 "a GGUF file's Q4_0 / Q4_1 blocks and refusion's C++ extension", f"{_KERNELS}.extension:native_available",
                  row_exact=True, rows_probe=f"{_KERNELS}.int4:int8_rows_match", native_code=5, fuses=True,
                  auto=False, summary="the GGUF file's blocks times rows rounded to 8-bit blocks, in integers, as "
                  "llama.cpp multiplies (other numbers than the base model's)"),
 )
 """Every linear kernel. A model whose layers run several reports the last of them (int4 leaves the layers its file
 does not ship packed; no other two share a model)."""
+
+BLOCK_KINDS: tuple[str, ...] = ("int4", "int4-q8")
+"""The kernels whose layers multiply by a GGUF file's blocks (`int4.Int4Linear` and its subclass `Int4Q8Linear`)."""
 
 LINEAR_CHOICES: tuple[str, ...] = ("auto", *(k.name for k in LINEAR_KERNELS))
 """What `prepare(linear=...)` and `--linear` accept: "auto" chooses (`choice.choose_linear_kernel`); a kernel's

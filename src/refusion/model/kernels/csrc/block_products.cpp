@@ -428,11 +428,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
             continue;
           }
           unpack_tile_portable(qs + n * q_row, four_bit, dms + n * dm_row, K, q_row, dm_row, t8);
-          for (int64_t r = 0; r < rows; r += kRowBlock) {
-            const int64_t chunk = std::min(kRowBlock, rows - r);
-            tile8_portable(rows8.q.data() + r * K, rows8.d.data() + r * B, rows8.s.data() + r * B, chunk, K, t8,
-                           outs + r * N + n, N);
-          }
+          tile8_portable(rows8.q.data(), rows8.d.data(), rows8.s.data(), rows, K, t8, outs + n, N);
           continue;
         }
         if (!w) w.reset(new float[kTile * K]);
