@@ -93,8 +93,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "int4-q8 (fp32: those blocks times rows rounded to 8-bit blocks, llama.cpp's "
                              "arithmetic; fastest at one row, other answers than the base model's)")
     parser.add_argument("--attention", default=None, metavar="IMPL",
-                        help="attention implementation: sdpa, eager or refusion_exact (default: refusion_exact for "
-                             "bf16 on a CPU with native bf16 and for --linear int4-q8, else sdpa)")
+                        help="attention implementation: sdpa, eager, refusion_exact (row-exact) or "
+                             "refusion_exact_half (row-exact over fp16 KV entries, as llama.cpp keeps them) "
+                             "(default: refusion_exact for bf16 on a CPU with native bf16, refusion_exact_half for "
+                             "--linear int4-q8, else sdpa)")
     parser.add_argument("--compile", action="store_true",
                         help="decode through torch.compile over fixed shapes (CUDA graphs on a GPU); the first "
                              "forwards of each width compile (seconds to a minute)")

@@ -22,7 +22,7 @@ from refusion.model.compact import compact_forward
 from refusion.model.definition import DecoderConfig, load_model, supports
 from refusion.model.kernels import row_exact
 from refusion.model.kernels.extension import native_extension
-from refusion.model.kernels.row_exact import EXACT_ATTENTION
+from refusion.model.kernels.row_exact import EXACT_ATTENTION, EXACT_HALF_ATTENTION
 from refusion.model.prepare import add_mask_token
 from refusion.model.setup import prepare, setup_of
 from refusion.model.tiny import tiny_model, tiny_tokenizer
@@ -38,7 +38,7 @@ VARIANTS = {
 }
 """Tiny models saved as transformers saves them: each family, a tied LM head, and sliding windows shorter than the
 inputs (Qwen2: its second layer only)."""
-ATTENTIONS = ["sdpa", "eager", EXACT_ATTENTION]
+ATTENTIONS = ["sdpa", "eager", EXACT_ATTENTION, EXACT_HALF_ATTENTION]
 DTYPES = [torch.float32, torch.bfloat16]
 PROMPTS = [[1, 5, 7, 9], [1, 3, 4, 5, 6, 7, 8, 10, 11], [9], [12, 13, 14, 15, 16]]
 

@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType, GGUFWriter, quants
 from torch import nn
 
 import refusion
+from refusion.model import loading
 from refusion.model.kernels import int4, row_exact
 from refusion.model.kernels.extension import native_available
 from refusion.model.kernels.int4 import GROUP, Int4Blocks, Int4Linear
@@ -367,3 +368,19 @@ def test_the_embedded_model_with_int8_rows_decodes_the_exact_mode_as_its_ar():
     ids = refusion.encode_prompts(tokenizer, ["Name three colors.", "What is 12 times 7?"])
     ar = refusion.generate(model, ids, strategy="autoregressive", max_new_tokens=24).sequences
     assert refusion.generate(model, ids, strategy="speculative", max_new_tokens=24).sequences == ar
+
+
+@needs_native
+def test_int8_rows_over_fp16_entries_decode_the_exact_mode_and_batches_as_autoregressive_decoding(tmp_path,
+                                                                                                  monkeypatch):
+    """int4-q8 with its default attention, exact attention over fp16 KV entries (llama.cpp's cache): the decoder
+    keeps fp16 entries, the exact mode is its AR decoding and a batch decodes each sequence as alone (the C++
+    layers against the Python ones: tests/model/test_native.py)."""
+    from refusion.decode import loop
+
+    model, path = tiny_int4_llama(tmp_path, monkeypatch, torch.float32, head=True)
+    model.config._attn_implementation = loading.default_attention(torch.device("cpu"), torch.float32, "int4-q8")
+    assert model.config._attn_implementation == row_exact.EXACT_HALF_ATTENTION
+    setup = prepare(model, weights_file=path, linear="int4-q8")
+    assert setup.row_exact and loop.Decoder(model).cache.kv_dtype == torch.float16
+    assert_exact_mode_and_batches_decode_as_ar(model)

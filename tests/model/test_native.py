@@ -18,7 +18,7 @@ from refusion.model.tiny import tiny_model
 from .test_compact import FAMILIES, forwards, new_cache, real_rows
 from .test_fused import KINDS, gate_adapters, model_with
 
-ATTENTIONS = [row_exact.EXACT_ATTENTION, "sdpa"]
+ATTENTIONS = [row_exact.EXACT_ATTENTION, "sdpa", row_exact.EXACT_HALF_ATTENTION]
 
 
 def exact_model(family: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
@@ -45,7 +45,8 @@ def native_run(model) -> CompactForward:
 
 
 def fp64_forwards(model, run) -> list[torch.Tensor]:
-    """`forwards` over a cache that keeps fp64 entries, as decoders keep them under exact attention."""
+    """`forwards` over a cache that keeps the entries decoders keep under the model's attention (fp64 under exact
+    attention, fp16 under exact attention over fp16 entries)."""
     return forwards(model, run, kv_dtype=row_exact.cache_dtype(model))
 
 
@@ -92,7 +93,8 @@ def test_one_token_forwards_without_a_mask(attention):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("dtype,attention", [(torch.bfloat16, row_exact.EXACT_ATTENTION), (torch.float32, "sdpa")])
+@pytest.mark.parametrize("dtype,attention", [(torch.bfloat16, row_exact.EXACT_ATTENTION), (torch.float32, "sdpa"),
+                                             (torch.float32, row_exact.EXACT_HALF_ATTENTION)])
 def test_long_forwards_at_the_embedded_models_head_size(family, dtype, attention):
     """A 150-token prompt beside a padded 90-token one, then a 6-token forward with a mask of its own and a
     one-token step, at head dim 64 with three query heads per KV head (the embedded model's attention): the

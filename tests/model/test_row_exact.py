@@ -118,7 +118,7 @@ def test_load_picks_dtype_and_attention_that_keep_rows_exact(monkeypatch):
     expected = row_exact.EXACT_ATTENTION if row_exact.packing_available() else "sdpa"
     assert loading.default_attention(cpu, torch.bfloat16) == expected
     assert loading.default_attention(cpu, torch.float32) == "sdpa"
-    assert loading.default_attention(cpu, torch.float32, "int4-q8") == row_exact.EXACT_ATTENTION
+    assert loading.default_attention(cpu, torch.float32, "int4-q8") == row_exact.EXACT_HALF_ATTENTION
     assert loading.default_attention(torch.device("cuda"), torch.bfloat16) == "sdpa"
     monkeypatch.setattr(loading, "packing_available", lambda: False)
     assert loading.default_dtype(cpu) == torch.float32
@@ -236,6 +236,27 @@ def test_exact_attention_gives_the_same_bits_over_fp64_entries():
     out, _ = row_exact.exact_attention(Heads(), query, key, value, mask, scaling=0.25)
     wide, _ = row_exact.exact_attention(Heads(), query, key.double(), value.double(), mask, scaling=0.25)
     assert wide.dtype == torch.bfloat16 and torch.equal(out, wide)
+
+
+def test_exact_half_attention_is_exact_attention_over_fp16_entries_row_by_row():
+    """fp32 rows over keys and values rounded to fp16 (what its decoders' caches keep, `cache_dtype`): the same bits
+    as exact attention over the rounded entries, from fp32 or fp16 ones, each row as it is alone."""
+    torch.manual_seed(2)
+    query = torch.randn(1, 4, 5, 16)
+    key, value = (torch.randn(1, 2, 30, 16) for _ in range(2))
+    mask = torch.zeros(1, 1, 5, 30)
+    mask[..., 27:] = torch.finfo(torch.float32).min
+    out, _ = row_exact.exact_half_attention(Heads(), query, key, value, mask, scaling=0.25)
+    half, _ = row_exact.exact_half_attention(Heads(), query, key.half(), value.half(), mask, scaling=0.25)
+    rounded, _ = row_exact.exact_attention(Heads(), query, key.half().float(), value.half().float(), mask,
+                                           scaling=0.25)
+    assert out.dtype == torch.float32 and torch.equal(out, half) and torch.equal(out, rounded)
+    unrounded, _ = row_exact.exact_attention(Heads(), query, key, value, mask, scaling=0.25)
+    assert not torch.equal(out, unrounded)  # the rounding is there
+    for row in range(5):
+        alone, _ = row_exact.exact_half_attention(Heads(), query[:, :, row:row + 1], key[:, :, :27],
+                                                  value[:, :, :27], None, scaling=0.25)
+        assert torch.equal(out[:, row:row + 1], alone), row
 
 
 @pytest.mark.parametrize("strategy", ["autoregressive", "speculative", "refusion"])

@@ -34,7 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from refusion.model.kernels.row_exact import ADDITIVE_MASK_ATTENTION, EXACT_ATTENTION, exact_attention
+from refusion.model.kernels.row_exact import (
+    ADDITIVE_MASK_ATTENTION,
+    EXACT_ATTENTION,
+    EXACT_HALF_ATTENTION,
+    exact_attention,
+    exact_half_attention,
+)
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 """The `model_type`s this module defines."""
@@ -258,7 +264,7 @@ def _pack_gqa(hidden_states: torch.Tensor | None, n_rep: int) -> torch.Tensor | 
 
 
 ATTENTION_FUNCTIONS = {"eager": eager_attention_forward, "sdpa": sdpa_attention_forward,
-                       EXACT_ATTENTION: exact_attention}
+                       EXACT_ATTENTION: exact_attention, EXACT_HALF_ATTENTION: exact_half_attention}
 """The attention function of each `_attn_implementation` this definition runs (`model.compact` reads it too)."""
 
 

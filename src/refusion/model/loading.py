@@ -25,6 +25,7 @@ from refusion.model.adapter import adapter_base, adapter_gate, is_adapter_dir
 from refusion.model.kernels.registry import check_linear
 from refusion.model.kernels.row_exact import (
     EXACT_ATTENTION,
+    EXACT_HALF_ATTENTION,
     packed_rows_match,
     packing_available,
     register_with_transformers,
@@ -87,13 +88,16 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 def default_attention(device: torch.device, dtype: torch.dtype, linear: str = "auto") -> str:
     """EXACT_ATTENTION for bf16 on a CPU with packed bf16 products (every row of a forward as it would be alone:
-    `refusion.model.kernels.row_exact`) and for the CPU kernel "int4-q8", "sdpa" elsewhere. int4-q8 rounds every
-    product's rows to 8 bits, which turns the last-bit differences of sdpa's rows at other widths into other
-    bytes: with sdpa its exact mode gave its own AR decoding's answer for 2 of 20 held-out prompts, with exact
-    attention for 20 of 20, at the same speed on E5 (docs/archive/BENCHMARKS-JOURNAL.md, *Rows rounded to 8 bits*)."""
+    `refusion.model.kernels.row_exact`), EXACT_HALF_ATTENTION for the CPU kernel "int4-q8", "sdpa" elsewhere.
+    int4-q8 rounds every product's rows to 8 bits, which turns the last-bit differences of sdpa's rows at other
+    widths into other bytes: with sdpa its exact mode gave its own AR decoding's answer for 2 of 20 held-out
+    prompts, with exact attention for 20 of 20 (docs/archive/BENCHMARKS-JOURNAL.md, *Rows rounded to 8 bits*); its
+    KV entries are kept in fp16, as llama.cpp keeps them (a quarter of fp64 entries' bytes)."""
     if device.type != "cpu":
         return "sdpa"
-    return EXACT_ATTENTION if linear == "int4-q8" or (dtype == torch.bfloat16 and packing_available()) else "sdpa"
+    if linear == "int4-q8":
+        return EXACT_HALF_ATTENTION
+    return EXACT_ATTENTION if dtype == torch.bfloat16 and packing_available() else "sdpa"
 
 
 def default_device() -> torch.device:
@@ -152,7 +156,8 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
         dtype: torch dtype or its name ("bfloat16", "float32", ...); None: `default_dtype(device)` (bf16 on
             a GPU that has it and on a CPU with native bf16, else fp16 on a GPU and fp32 on the CPU).
         device: "cpu", "cuda", ...; None picks CUDA when available.
-        attn_implementation: "sdpa", "eager" or "refusion_exact"; None: `default_attention(device, dtype, linear)`.
+        attn_implementation: "sdpa", "eager", "refusion_exact" or "refusion_exact_half" (exact attention over fp16
+            KV entries); None: `default_attention(device, dtype, linear)`.
         linear: the linear kernel, "auto" (chosen by the CPU's features, and where that does not decide, by probes
             timed once per machine and recorded: `refusion.model.calibration`) or pinned: "plain", "packed", "narrow", "sgemm", or
             "int4" (a GGUF source's blocks multiplied directly: faster on the CPU, other rounding than the plain kernels;

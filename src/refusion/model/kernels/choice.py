@@ -194,13 +194,14 @@ def use_shipped_int4(model, weights_file: str | Path | None, int8_rows: bool = F
 
 
 def forwards_row_exact(model, linear: str, attention: str) -> bool:
-    """Whether every row of the model's forwards is computed bit for bit as it would be alone: exact attention, and
+    """Whether every row of the model's forwards is computed bit for bit as it would be alone: exact attention (over fp64
+    or fp16 entries), and
     every linear layer multiplying by a row-exact kernel (`LinearKernel.rows_match`) of which `linear` is one."""
     from torch import nn
 
-    from refusion.model.kernels.row_exact import EXACT_ATTENTION
+    from refusion.model.kernels.row_exact import EXACT_ATTENTIONS
 
-    if attention != EXACT_ATTENTION or not kernel(linear).rows_match():
+    if attention not in EXACT_ATTENTIONS or not kernel(linear).rows_match():
         return False
     kernels = {kernel_of_layer(m) for m in model.modules() if isinstance(m, nn.Linear)}
     return all(k is not None and k.rows_match() for k in kernels)

@@ -42,11 +42,11 @@ from refusion.model.kernels.int4 import GROUP
 from refusion.model.kernels.narrow import MAX_ROWS as NARROW_MAX_ROWS
 from refusion.model.kernels.registry import BLOCK_KINDS, kernel_of_layer
 from refusion.model.kernels.registry import kernel as registered_kernel
-from refusion.model.kernels.row_exact import EXACT_ATTENTION, SOFTMAX_COLUMNS
+from refusion.model.kernels.row_exact import EXACT_ATTENTION, EXACT_HALF_ATTENTION, SOFTMAX_COLUMNS
 
-ATTENTIONS = {EXACT_ATTENTION: 0, "sdpa": 1}
+ATTENTIONS = {EXACT_ATTENTION: 0, "sdpa": 1, EXACT_HALF_ATTENTION: 2}
 """The attention implementations the C++ layers compute (the constants of decoder_layers.cpp): exact attention,
-and transformers' sdpa function as it runs on a CPU."""
+transformers' sdpa function as it runs on a CPU, and exact attention over fp16 entries."""
 
 
 def silu_types() -> tuple[type, ...]:

@@ -272,7 +272,11 @@ def use_packed_linears(model: nn.Module) -> int:
 
 EXACT_ATTENTION = "refusion_exact"
 """The attention implementation name `exact_attention` is registered under with transformers."""
-ADDITIVE_MASK_ATTENTION = ("eager", EXACT_ATTENTION)
+EXACT_HALF_ATTENTION = "refusion_exact_half"
+"""The attention implementation name `exact_half_attention` is registered under with transformers."""
+EXACT_ATTENTIONS = (EXACT_ATTENTION, EXACT_HALF_ATTENTION)
+"""The row-exact attention implementations."""
+ADDITIVE_MASK_ATTENTION = ("eager", *EXACT_ATTENTIONS)
 """Attention implementations that take additive float masks (sdpa takes boolean ones)."""
 
 
@@ -287,7 +291,7 @@ def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     the same whatever the other rows and the order of the keys. query [B, H, T, D], key and value
     [B, H_kv, L, D], attention_mask additive [B, 1, T, L] or None. Attention with a logit soft cap (Gemma 2)
     falls back to the model's own eager attention."""
-    if kwargs.get("softcap") or getattr(getattr(module, "config", None), "attn_logit_softcapping", None):
+    if soft_capped(module, kwargs):
         return sys.modules[type(module).__module__].eager_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     batch, heads, rows, dim = query.shape
@@ -302,6 +306,22 @@ def exact_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     out = torch.matmul(weights.view(batch, kv_heads, -1, length).double(), value.double())
     out = out.view(batch, heads, rows, dim).to(query.dtype)
     return out.transpose(1, 2).contiguous(), weights
+
+
+def exact_half_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs):
+    """`exact_attention` over keys and values rounded to fp16, as a decoder's cache keeps them under this
+    attention (`cache_dtype`; llama.cpp's default KV cache): each entry a quarter of an fp64 one's bytes, widened to
+    fp64 exactly where it is multiplied, so a decoding step that reads a long context reads 4x fewer bytes. The same
+    row-exact sums as `exact_attention`; the answers are those of a model whose keys and values are rounded to fp16."""
+    if not soft_capped(module, kwargs):  # (with a soft cap: the model's eager attention, as `exact_attention`'s)
+        key, value = key.to(torch.float16), value.to(torch.float16)
+    return exact_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+
+
+def soft_capped(module: nn.Module, kwargs: dict) -> bool:
+    """Whether attention takes a logit soft cap (Gemma 2): the exact attentions leave it to the model's eager one."""
+    return bool(kwargs.get("softcap") or getattr(getattr(module, "config", None), "attn_logit_softcapping", None))
 
 
 def canonical_softmax(scores: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -326,27 +346,30 @@ def cache_dtype(model) -> torch.dtype | None:
     """The dtype a decoder's KV cache keeps entries in for `model`: fp64 where its attention is `exact_attention`
     (which sums in fp64: entries kept in fp64, each bf16 value exactly, spare every layer of every forward a
     conversion of the whole context; they take 4x the memory of bf16 ones; measured in docs/archive/
-    BENCHMARKS-JOURNAL.md, "Fused products, fp64 KV entries, llama.cpp again"), else None (the dtype the layers
-    write)."""
+    BENCHMARKS-JOURNAL.md, "Fused products, fp64 KV entries, llama.cpp again"), fp16 where it is
+    `exact_half_attention` (the entries it rounds to), else None (the dtype the layers write)."""
     config = model.config
-    if getattr(config, "_attn_implementation", None) != EXACT_ATTENTION:
+    attention = getattr(config, "_attn_implementation", None)
+    if attention not in EXACT_ATTENTIONS:
         return None
     if getattr(config.get_text_config(), "attn_logit_softcapping", None):  # its own eager attention: no fp64
         return None
-    return torch.float64
+    return torch.float16 if attention == EXACT_HALF_ATTENTION else torch.float64
 
 
 def register_with_transformers() -> None:
-    """Register `exact_attention` with transformers under EXACT_ATTENTION (with additive masks, as eager attention
-    takes them), so that its models load and run with `attn_implementation="refusion_exact"`. Idempotent. Called by
+    """Register `exact_attention` and `exact_half_attention` with transformers under EXACT_ATTENTION and
+    EXACT_HALF_ATTENTION (with additive masks, as eager attention takes them), so that its models load and run with
+    `attn_implementation="refusion_exact"` (or "refusion_exact_half"). Idempotent. Called by
     the code that builds transformers models (`model.loading`, `model.tiny`) and at this module's import when
     transformers is loaded already; refusion's own model definition (`model.definition`) needs none of it, so a
     cold start through it never imports transformers."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-    AttentionInterface.register(EXACT_ATTENTION, exact_attention)
-    AttentionMaskInterface.register(EXACT_ATTENTION, eager_mask)
+    for name, function in ((EXACT_ATTENTION, exact_attention), (EXACT_HALF_ATTENTION, exact_half_attention)):
+        AttentionInterface.register(name, function)
+        AttentionMaskInterface.register(name, eager_mask)
 
 
 if "transformers" in sys.modules:

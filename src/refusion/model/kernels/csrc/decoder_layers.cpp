@@ -15,6 +15,9 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cmath>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <cstring>
 #include <type_traits>
 #include <limits>
@@ -66,8 +69,13 @@ struct Norm {
 };
 
 // attention implementations (native.py ATTENTIONS)
-constexpr int64_t kExact = 0;  // row_exact.exact_attention
-constexpr int64_t kSdpa = 1;   // transformers' sdpa_attention_forward (on a CPU)
+constexpr int64_t kExact = 0;      // row_exact.exact_attention, KV entries in fp64
+constexpr int64_t kSdpa = 1;       // transformers' sdpa_attention_forward (on a CPU)
+constexpr int64_t kExactHalf = 2;  // row_exact.exact_half_attention: exact attention over fp16 KV entries
+
+inline bool exact_attention_kind(int64_t attention) {
+  return attention == kExact || attention == kExactHalf;
+}
 
 struct Layer {
   Norm input, post;
@@ -78,7 +86,7 @@ struct Layer {
   Product down;
   int64_t head_dim;
   double scaling;
-  int64_t attention;  // kExact or kSdpa
+  int64_t attention;  // kExact, kSdpa or kExactHalf
   int64_t kv_groups;  // query heads per KV head
   int64_t softmax_columns;  // exact attention: the fewest columns its softmax runs over (row_exact.SOFTMAX_COLUMNS)
 };
@@ -607,53 +615,148 @@ void rope_write(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&
   }
 }
 
+// four fp64 lanes (GCC's vector extension: AVX2 registers in the AVX2 and AVX-512 clones, SSE pairs in the baseline)
+typedef double lanes4 __attribute__((vector_size(32)));
+
+inline lanes4 load4(const double* x) {
+  lanes4 v;
+  std::memcpy(&v, x, sizeof v);
+  return v;
+}
+
+inline void store4(double* x, lanes4 v) {
+  std::memcpy(x, &v, sizeof v);
+}
+
+// the sum of 8 partial sums (lanes 0-3 in `low`, 4-7 in `high`) in key_dots' order
+inline double lane_sum(lanes4 low, lanes4 high) {
+  return ((low[0] + low[1]) + (low[2] + low[3])) + ((high[0] + high[1]) + (high[2] + high[3]));
+}
+
 // fp64 dot products of a query row with `length` key rows: products of bf16 numbers are exact in fp64 and so
-// are their sums, whatever the order (row_exact's docstring); here 8 partial sums, then their sum
+// are their sums, whatever the order (row_exact's docstring); here 8 partial sums (lane l takes the dims d with
+// d % 8 == l, then lane 0 the dims past the last multiple of 8), then their sum. Four keys at a time share the
+// query's loads; each key's sums are the ones it has alone.
 REFUSION_CLONES REFUSION_EXACT_PRODUCTS void key_dots(const double* q, const double* keys, int64_t length,
                                                       int64_t dim, double* out) {
-  for (int64_t j = 0; j < length; ++j) {
-    const double* k = keys + j * dim;
-    double lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t d = 0;
-    for (; d + 8 <= dim; d += 8) {
-      for (int l = 0; l < 8; ++l) lanes[l] += q[d + l] * k[d + l];
+  int64_t whole = dim / 8 * 8, j = 0;
+  auto tail = [&](const double* k, lanes4& low) {
+    for (int64_t d = whole; d < dim; ++d) low[0] += q[d] * k[d];
+  };
+  for (; j + 4 <= length; j += 4) {
+    const double *k0 = keys + j * dim, *k1 = k0 + dim, *k2 = k1 + dim, *k3 = k2 + dim;
+    lanes4 l0 = {}, h0 = {}, l1 = {}, h1 = {}, l2 = {}, h2 = {}, l3 = {}, h3 = {};
+    for (int64_t d = 0; d < whole; d += 8) {
+      lanes4 ql = load4(q + d), qh = load4(q + d + 4);
+      l0 += ql * load4(k0 + d), h0 += qh * load4(k0 + d + 4);
+      l1 += ql * load4(k1 + d), h1 += qh * load4(k1 + d + 4);
+      l2 += ql * load4(k2 + d), h2 += qh * load4(k2 + d + 4);
+      l3 += ql * load4(k3 + d), h3 += qh * load4(k3 + d + 4);
     }
-    for (; d < dim; ++d) lanes[0] += q[d] * k[d];
-    out[j] = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    tail(k0, l0), tail(k1, l1), tail(k2, l2), tail(k3, l3);
+    out[j] = lane_sum(l0, h0), out[j + 1] = lane_sum(l1, h1), out[j + 2] = lane_sum(l2, h2);
+    out[j + 3] = lane_sum(l3, h3);
+  }
+  for (; j < length; ++j) {
+    const double* k = keys + j * dim;
+    lanes4 low = {}, high = {};
+    for (int64_t d = 0; d < whole; d += 8) {
+      low += load4(q + d) * load4(k + d), high += load4(q + d + 4) * load4(k + d + 4);
+    }
+    tail(k, low);
+    out[j] = lane_sum(low, high);
   }
 }
 
-// out[d] = sum_j w[j] * values[j][d] in fp64 (exact products of bf16 numbers); zero weights add nothing
-REFUSION_CLONES REFUSION_EXACT_PRODUCTS void weighted_values(const double* w, const double* values,
-                                                             int64_t length, int64_t dim, double* out) {
-  for (int64_t d = 0; d < dim; ++d) out[d] = 0;
-  for (int64_t j = 0; j < length; ++j) {
-    if (w[j] == 0) continue;
-    const double *v = values + j * dim, wj = w[j];
-    for (int64_t d = 0; d < dim; ++d) out[d] += wj * v[d];
+// out[d] += sum_j w[j] * values[j][d] in fp64, j in order (exact products of bf16 numbers); zero weights add nothing.
+// 32 (then 4) of the row's dims at a time stay in registers over all j; each dim's sum is the same, in the same order
+REFUSION_CLONES REFUSION_EXACT_PRODUCTS void add_weighted_values(const double* w, const double* values,
+                                                                 int64_t length, int64_t dim, double* out) {
+  int64_t d0 = 0;
+  for (; d0 + 32 <= dim; d0 += 32) {
+    lanes4 a[8];
+    for (int i = 0; i < 8; ++i) a[i] = load4(out + d0 + 4 * i);
+    for (int64_t j = 0; j < length; ++j) {
+      if (w[j] == 0) continue;
+      const double* v = values + j * dim + d0;
+      lanes4 wj = {w[j], w[j], w[j], w[j]};
+      for (int i = 0; i < 8; ++i) a[i] += wj * load4(v + 4 * i);
+    }
+    for (int i = 0; i < 8; ++i) store4(out + d0 + 4 * i, a[i]);
+  }
+  for (; d0 + 4 <= dim; d0 += 4) {
+    lanes4 a = load4(out + d0);
+    for (int64_t j = 0; j < length; ++j) {
+      if (w[j] == 0) continue;
+      lanes4 wj = {w[j], w[j], w[j], w[j]};
+      a += wj * load4(values + j * dim + d0);
+    }
+    store4(out + d0, a);
+  }
+  for (; d0 < dim; ++d0) {
+    for (int64_t j = 0; j < length; ++j) {
+      if (w[j] != 0) out[d0] += w[j] * values[j * dim + d0];
+    }
   }
 }
 
-// row_exact.exact_attention over the cache's fp64 entries: scores = float(q . k * scaling + mask) (each in fp64),
-// softmax in fp32 (ATen's) over the columns the row sees, moved to the front in their order (row_exact.
-// canonical_softmax: the same sums wherever its keys sit in the cache), weights rounded to T, their product with
-// the values summed in fp64, rounded to T.
-// q: [B, T, H, D] fp64 contiguous; keys, values: the cache storage [B, H_kv, capacity, D] fp64, attended up to
+// fp16 KV entries widened to fp64 (exact: any conversion gives the same numbers), with F16C where the CPU has it
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx,f16c"))) void half_doubles_f16c(const c10::Half* h, double* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 f = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i)));
+    _mm256_storeu_pd(out + i, _mm256_cvtps_pd(_mm256_castps256_ps128(f)));
+    _mm256_storeu_pd(out + i + 4, _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1)));
+  }
+  for (; i < n; ++i) out[i] = static_cast<double>(static_cast<float>(h[i]));
+}
+#endif
+
+void half_doubles(const c10::Half* h, double* out, int64_t n) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool f16c = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  if (f16c) return half_doubles_f16c(h, out, n);
+#endif
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<double>(static_cast<float>(h[i]));
+}
+
+constexpr int64_t kEntryRows = 64;  // KV entries widened to fp64 at a time (a block of 64 x 64 fp64 stays in L1/L2)
+
+// rows [begin, begin + n) of one head's KV entries ([capacity, dim]) in fp64: fp64 entries in place, fp16 ones
+// widened into `buffer` (at least kEntryRows * dim)
+inline const double* entry_rows(const double* entries, int64_t begin, int64_t, int64_t dim, double*) {
+  return entries + begin * dim;
+}
+
+inline const double* entry_rows(const c10::Half* entries, int64_t begin, int64_t n, int64_t dim, double* buffer) {
+  half_doubles(entries + begin * dim, buffer, n * dim);
+  return buffer;
+}
+
+// row_exact.exact_attention over the cache's entries (fp64, or fp16 for row_exact.exact_half_attention, each
+// widened to fp64 exactly): scores = float(q . k * scaling + mask) (each in fp64), softmax in fp32 (ATen's) over the
+// columns the row sees, moved to the front in their order (row_exact.canonical_softmax: the same sums wherever its
+// keys sit in the cache), weights rounded to T, their product with the values summed in fp64, rounded to T.
+// q: [B, T, H, D] fp64 contiguous; keys, values: the cache storage [B, H_kv, capacity, D] of KV, attended up to
 // column `length`; mask: additive [B, 1, T, >= length] or none. Returns [B, T, H * D] in T.
 // Columns past the last one a query row sees (mask at its dtype's lowest) are not multiplied; no column it does not
 // see enters its softmax, and each gets weight 0, as it would with its product and the mask added.
-template <typename T>
-Tensor fused_exact_attention(const Tensor& q, const Tensor& keys, const Tensor& values,
-                             const c10::optional<Tensor>& mask, double scaling, int64_t length, int64_t columns) {
+// The query heads that share a key head are computed together, each entry read (and widened) once for all of them;
+// each head's sums are the same, in the same order, as alone.
+template <typename T, typename KV>
+Tensor exact_attention_rows(const Tensor& q, const Tensor& keys, const Tensor& values,
+                            const c10::optional<Tensor>& mask, double scaling, int64_t length, int64_t columns) {
   int64_t batch = q.size(0), width = q.size(1), heads = q.size(2), dim = q.size(3);
   int64_t kv_heads = keys.size(1), capacity = keys.size(2), groups = heads / kv_heads;
   int64_t span = std::max(length, columns);  // the softmax's columns: the row's own at the front, then padding
   constexpr float kFill = std::numeric_limits<float>::lowest();
   Tensor scores = at::empty({batch, heads, width, span}, q.options().dtype(at::kFloat));
-  const double *qd = q.const_data_ptr<double>(), *kd = keys.const_data_ptr<double>();
+  const double* qd = q.const_data_ptr<double>();
+  const KV *kd = keys.const_data_ptr<KV>(), *vd = values.const_data_ptr<KV>();
   float* sd = scores.mutable_data_ptr<float>();
-  int64_t rows = batch * heads * width;
-  int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(1, length * dim));
+  int64_t rows = batch * kv_heads * width;  // (b, g, t): the query heads of key head g at row t
+  int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(1, length * dim * groups));
   Tensor m;
   double lowest = 0;  // the mask's value for a column a row does not see: its dtype's lowest
   int64_t mb = 0, mt = 0;
@@ -664,59 +767,96 @@ Tensor fused_exact_attention(const Tensor& q, const Tensor& keys, const Tensor& 
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, mask_type, "mask",
                                     [&] { lowest = static_cast<double>(std::numeric_limits<scalar_t>::lowest()); });
   }
+  // the mask's row of (b, t) in fp64, and the columns from the first to the last one it sees
+  auto mask_row = [&](int64_t b, int64_t t, std::vector<double>& masked, int64_t& first, int64_t& seen) {
+    first = 0, seen = length;
+    if (!mask) return;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, mask_type, "mask", [&] {
+      const scalar_t* row = m.const_data_ptr<scalar_t>() + b * mb + t * mt;
+      for (int64_t j = 0; j < length; ++j) masked[j] = static_cast<double>(row[j]);
+    });
+    while (seen > 0 && (masked[seen - 1] <= lowest)) --seen;
+    while (first < seen && (masked[first] <= lowest)) ++first;  // a padding row sees its own columns alone
+  };
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    std::vector<double> dots(length), masked(mask ? length : 0);
+    std::vector<double> dots(groups * length), masked(mask ? length : 0), block(kEntryRows * dim);
     for (int64_t r = begin; r < end; ++r) {
-      int64_t b = r / (heads * width), h = r / width % heads, t = r % width, g = h / groups;
-      float* out = sd + r * span;
-      int64_t first = 0, seen = length;  // columns from the first to the last one the row sees
-      if (mask) {
-        AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, mask_type, "mask", [&] {
-          const scalar_t* row = m.const_data_ptr<scalar_t>() + b * mb + t * mt;
-          for (int64_t j = 0; j < length; ++j) masked[j] = static_cast<double>(row[j]);
-        });
-        while (seen > 0 && (masked[seen - 1] <= lowest)) --seen;
-        while (first < seen && (masked[first] <= lowest)) ++first;  // a padding row sees its own columns alone
+      int64_t b = r / (kv_heads * width), g = r / width % kv_heads, t = r % width, first, seen;
+      mask_row(b, t, masked, first, seen);
+      const KV* head_keys = kd + (b * kv_heads + g) * capacity * dim;
+      for (int64_t j0 = first; j0 < seen; j0 += kEntryRows) {
+        int64_t n = std::min(kEntryRows, seen - j0);
+        const double* k = entry_rows(head_keys, j0, n, dim, block.data());
+        for (int64_t i = 0; i < groups; ++i) {
+          key_dots(qd + ((b * width + t) * heads + g * groups + i) * dim, k, n, dim, dots.data() + i * length + j0);
+        }
       }
-      key_dots(qd + ((b * width + t) * heads + h) * dim, kd + ((b * kv_heads + g) * capacity + first) * dim,
-               seen - first, dim, dots.data() + first);
-      int64_t n = 0;  // the columns the row sees, in order, at the front
-      for (int64_t j = first; j < seen; ++j) {
-        if (mask && masked[j] <= lowest) continue;
-        double score = dots[j] * scaling;
-        if (mask) score = score + masked[j];
-        out[n++] = static_cast<float>(score);
+      for (int64_t i = 0; i < groups; ++i) {
+        float* out = sd + ((b * heads + g * groups + i) * width + t) * span;
+        const double* head_dots = dots.data() + i * length;
+        int64_t n = 0;  // the columns the row sees, in order, at the front
+        for (int64_t j = first; j < seen; ++j) {
+          if (mask && masked[j] <= lowest) continue;
+          double score = head_dots[j] * scaling;
+          if (mask) score = score + masked[j];
+          out[n++] = static_cast<float>(score);
+        }
+        for (int64_t j = n; j < span; ++j) out[j] = kFill;
       }
-      for (int64_t j = n; j < span; ++j) out[j] = kFill;
     }
   });
   Tensor weights = at::_softmax(scores, -1, false);
   Tensor result = at::empty({batch, width, heads * dim}, q.options().dtype(c10::CppTypeToScalarType<T>::value));
   const float* wd = weights.const_data_ptr<float>();
-  const double* vd = values.const_data_ptr<double>();
   T* od = result.mutable_data_ptr<T>();
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    std::vector<double> w(length), acc(dim);
+    std::vector<double> w(groups * length), acc(groups * dim), masked(mask ? length : 0), block(kEntryRows * dim);
     for (int64_t r = begin; r < end; ++r) {
-      int64_t b = r / (heads * width), h = r / width % heads, t = r % width, g = h / groups;
-      const float* row = wd + r * span;
-      int64_t n = 0;  // each seen column's weight back at its column, .to(dtype).double(); 0 where unseen
-      if (mask) {
-        AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, mask_type, "mask", [&] {
-          const scalar_t* mrow = m.const_data_ptr<scalar_t>() + b * mb + t * mt;
-          for (int64_t j = 0; j < length; ++j) {
-            w[j] = static_cast<double>(mrow[j]) <= lowest ? 0.0 : static_cast<double>(narrow<T>(row[n++]));
-          }
-        });
-      } else {
-        for (int64_t j = 0; j < length; ++j) w[j] = static_cast<double>(narrow<T>(row[j]));
+      int64_t b = r / (kv_heads * width), g = r / width % kv_heads, t = r % width, first, seen;
+      mask_row(b, t, masked, first, seen);
+      for (int64_t i = 0; i < groups; ++i) {  // each seen column's weight back at its column, .to(dtype).double()
+        const float* row = wd + ((b * heads + g * groups + i) * width + t) * span;
+        double* head_w = w.data() + i * length;
+        int64_t n = 0;
+        for (int64_t j = first; j < seen; ++j) {
+          head_w[j] = mask && masked[j] <= lowest ? 0.0 : static_cast<double>(narrow<T>(row[n++]));
+        }
       }
-      weighted_values(w.data(), vd + (b * kv_heads + g) * capacity * dim, length, dim, acc.data());
-      T* out = od + (b * width + t) * heads * dim + h * dim;
-      for (int64_t d = 0; d < dim; ++d) out[d] = narrow64<T>(acc[d]);
+      std::fill(acc.begin(), acc.end(), 0.0);
+      const KV* head_values = vd + (b * kv_heads + g) * capacity * dim;
+      for (int64_t j0 = first; j0 < seen; j0 += kEntryRows) {  // the columns outside weigh 0: they add nothing
+        int64_t n = std::min(kEntryRows, seen - j0);
+        const double* v = entry_rows(head_values, j0, n, dim, block.data());
+        for (int64_t i = 0; i < groups; ++i) {
+          add_weighted_values(w.data() + i * length + j0, v, n, dim, acc.data() + i * dim);
+        }
+      }
+      for (int64_t i = 0; i < groups; ++i) {
+        T* out = od + (b * width + t) * heads * dim + (g * groups + i) * dim;
+        for (int64_t d = 0; d < dim; ++d) out[d] = narrow64<T>(acc[i * dim + d]);
+      }
     }
   });
   return result;
+}
+
+constexpr int64_t kAttentionRows = 64;  // query rows per pass of a wide forward's exact attention
+
+// exact_attention_rows over at most kAttentionRows query rows at a time (each row's numbers are its own: the same
+// bits), so that a prefill's scores and weights take [B, H, 64, length] at a time, not [B, H, T, length]
+template <typename T, typename KV>
+Tensor fused_exact_attention(const Tensor& q, const Tensor& keys, const Tensor& values,
+                             const c10::optional<Tensor>& mask, double scaling, int64_t length, int64_t columns) {
+  int64_t width = q.size(1);
+  if (width <= kAttentionRows) return exact_attention_rows<T, KV>(q, keys, values, mask, scaling, length, columns);
+  std::vector<Tensor> parts;
+  for (int64_t t = 0; t < width; t += kAttentionRows) {
+    int64_t end = std::min(width, t + kAttentionRows);
+    c10::optional<Tensor> rows_mask = mask ? c10::optional<Tensor>(mask->slice(2, t, end)) : c10::nullopt;
+    parts.push_back(exact_attention_rows<T, KV>(q.slice(1, t, end).contiguous(), keys, values, rows_mask, scaling,
+                                                length, columns));
+  }
+  return at::cat(parts, 1);
 }
 
 // LlamaRMSNorm.forward (Mistral, Qwen2, Qwen3 alike) after an optional residual add: (hidden, normed)
@@ -880,10 +1020,33 @@ Tensor sdpa_rows(const Tensor& query, const Tensor& keys, const Tensor& values, 
   return at::cat(parts, 1);
 }
 
+// Forwards wider than this many rows (prefill, wide verify forwards) widen the fp16 context to fp64 once, for all
+// their rows, where narrower ones widen each row's entries a block at a time (each row re-reads the whole context)
+constexpr int64_t kWidenedContextRows = 2;
+
+// rope_write into fp64 queries and the cache's fp64 or fp16 entries, then fused_exact_attention over them
+template <typename T>
+Tensor exact_rows_attention(const Layer& layer, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cos,
+                            const Tensor& sin, const Tensor& q_out, const c10::optional<Tensor>& mask,
+                            const Tensor& keys, const Tensor& values, int64_t start) {
+  int64_t end = start + q.size(1);
+  if (layer.attention == kExactHalf) {
+    rope_write<T, double, c10::Half>(q, k, v, cos, sin, q_out, keys, values, start);
+    if (q.size(1) > kWidenedContextRows) {  // the context widened once for all rows (the same numbers)
+      return fused_exact_attention<T, double>(q_out, keys.slice(2, 0, end).to(at::kDouble),
+                                              values.slice(2, 0, end).to(at::kDouble), mask, layer.scaling, end,
+                                              layer.softmax_columns);
+    }
+    return fused_exact_attention<T, c10::Half>(q_out, keys, values, mask, layer.scaling, end, layer.softmax_columns);
+  }
+  rope_write<T, double, double>(q, k, v, cos, sin, q_out, keys, values, start);
+  return fused_exact_attention<T, double>(q_out, keys, values, mask, layer.scaling, end, layer.softmax_columns);
+}
+
 // The attention block's work between its products with the fused kernels: q and k (after their norms, Qwen3)
 // rotated, k and v written to the cache, attention over it. Returns the rows for the output product ([1, N, H * D]
 // with the layout's real rows, else [B, T, H * D]), or an undefined tensor where they do not apply (the ATen
-// operations run then): bf16 or fp32 layers, cos and sin of their dtype, and exact attention over fp64 entries or
+// operations run then): bf16 or fp32 layers, cos and sin of their dtype, and exact attention over fp64 (or fp16) entries or
 // sdpa over entries of the layers' dtype.
 Tensor fused_attention(const Layer& layer, const std::vector<Tensor>& qkv, const Tensor& cos, const Tensor& sin,
                        const c10::optional<Tensor>& mask, const Tensor& keys, const Tensor& values, int64_t start,
@@ -891,12 +1054,13 @@ Tensor fused_attention(const Layer& layer, const std::vector<Tensor>& qkv, const
   const Tensor& x = qkv[0];
   int64_t batch = x.size(0), width = x.size(1), dim = layer.head_dim;
   auto dtype = x.scalar_type();
-  bool exact = layer.attention == kExact;
+  bool exact = exact_attention_kind(layer.attention);
+  auto entries = layer.attention == kExact ? at::kDouble : layer.attention == kExactHalf ? at::kHalf : dtype;
   if (!fusable(x) || dim % 2 != 0 || dim > kMaxHeadDim || cos.scalar_type() != dtype ||
       sin.scalar_type() != dtype || cos.dim() != 3 || cos.size(0) != batch || cos.size(1) != width ||
       cos.size(2) != dim || !cos.is_contiguous() || !sin.is_contiguous() || cos.sizes() != sin.sizes() ||
       !keys.is_contiguous() || !values.is_contiguous() ||
-      keys.scalar_type() != (exact ? at::kDouble : dtype) || values.scalar_type() != keys.scalar_type() ||
+      keys.scalar_type() != entries || values.scalar_type() != keys.scalar_type() ||
       keys.size(3) != dim || values.size(3) != dim) {
     return Tensor();
   }
@@ -913,17 +1077,10 @@ Tensor fused_attention(const Layer& layer, const std::vector<Tensor>& qkv, const
   Tensor q_out = at::empty(q.sizes(), q.options().dtype(exact ? at::kDouble : dtype));
   if (dtype == at::kBFloat16) {
     using T = c10::BFloat16;
-    if (exact) {
-      rope_write<T, double, double>(q, k, v, cos, sin, q_out, keys, values, start);
-      return gather(fused_exact_attention<T>(q_out, keys, values, mask, layer.scaling, end, layer.softmax_columns), l);
-    }
+    if (exact) return gather(exact_rows_attention<T>(layer, q, k, v, cos, sin, q_out, mask, keys, values, start), l);
     rope_write<T, T, T>(q, k, v, cos, sin, q_out, keys, values, start);
   } else {
-    if (exact) {
-      rope_write<float, double, double>(q, k, v, cos, sin, q_out, keys, values, start);
-      return gather(fused_exact_attention<float>(q_out, keys, values, mask, layer.scaling, end, layer.softmax_columns),
-                    l);
-    }
+    if (exact) return gather(exact_rows_attention<float>(layer, q, k, v, cos, sin, q_out, mask, keys, values, start), l);
     rope_write<float, float, float>(q, k, v, cos, sin, q_out, keys, values, start);
   }
   return sdpa_rows(q_out.transpose(1, 2), keys.slice(2, 0, end), values.slice(2, 0, end), mask, layer.scaling,
@@ -973,13 +1130,17 @@ Tensor attention(const Layer& layer, const Tensor& hidden, const Tensor& cos, co
   int64_t end = start + width;
   keys.slice(2, start, end).copy_(key);
   values.slice(2, start, end).copy_(value);
-  Tensor out = layer.attention == kExact
-                   ? gather(exact_attention(query, keys.slice(2, 0, end), values.slice(2, 0, end), mask,
-                                            layer.scaling, layer.softmax_columns)
+  Tensor context_keys = keys.slice(2, 0, end), context_values = values.slice(2, 0, end);
+  if (layer.attention == kExactHalf) {  // row_exact.exact_half_attention: the entries rounded to fp16 (if not yet)
+    context_keys = context_keys.to(at::kHalf);
+    context_values = context_values.to(at::kHalf);
+  }
+  Tensor out = exact_attention_kind(layer.attention)
+                   ? gather(exact_attention(query, context_keys, context_values, mask, layer.scaling,
+                                            layer.softmax_columns)
                                 .reshape({batch, width, -1}),
                             l)
-                   : sdpa_rows(query, keys.slice(2, 0, end), values.slice(2, 0, end), mask, layer.scaling,
-                               layer.kv_groups, l);
+                   : sdpa_rows(query, context_keys, context_values, mask, layer.scaling, layer.kv_groups, l);
   return product(layer.o, out, m)[0];
 }
 
