@@ -13,7 +13,7 @@ from torch import nn
 import refusion
 from refusion.decode.loop import Decoder
 from refusion.decode.prefix_cache import PrefixCache, inexact_reason, narrowed, prefix_cache_for
-from refusion.model.kernels.row_exact import EXACT_ATTENTION
+from refusion.model.kernels.row_exact import EXACT_ATTENTION, EXACT_HALF_ATTENTION
 from refusion.model.setup import setup_of
 from refusion.model.tiny import TINY_MASK_ID, tiny_model
 
@@ -142,6 +142,25 @@ def decode(model, prompts, cfg, prefix_cache=None, setup=None) -> tuple[list[lis
     assert not decoder.cache.row_of
     return ([s.response() for s in seqs], [[lp.logprob for lp in s.response_logprobs()] for s in seqs],
             [s.stats.cached_tokens for s in seqs])
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_fp16_entries_are_stored_as_they_are_and_reused_bit_for_bit(strategy, prompts):
+    """Exact attention over fp16 entries (an fp32 model): its prefixes are stored as fp16, not widened to the
+    model's fp32, and answers and logprobs with a reused prefix are the fresh ones, bit for bit."""
+    model = tiny_model("qwen3", dtype=torch.float32, seed=2, attn_implementation=EXACT_HALF_ATTENTION)
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = RowByRowLinear
+    setup = setup_of(model).replace(row_exact=True)
+    cfg = config(strategy)
+    fresh = [decode(model, [p], cfg, setup=setup) for p in prompts]
+    cache = PrefixCache(10**8)
+    decode(model, prompts[:1], cfg, cache, setup)
+    assert {b.keys[0].dtype for b in cache.blocks.values()} == {torch.float16}
+    answers, logprobs, cached = decode(model, prompts[1:], cfg, cache, setup)
+    assert cached == [32, 32]
+    assert answers == [f[0][0] for f in fresh[1:]] and logprobs == [f[1][0] for f in fresh[1:]]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

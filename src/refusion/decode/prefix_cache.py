@@ -201,8 +201,9 @@ class PrefixCache:
 
 def narrowed(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
     """The tensors in `dtype` where that keeps every value (exact attention's fp64 entries hold bf16 values: stored
-    in bf16 they take a quarter of the memory), else as they are."""
-    if all(t.dtype == dtype for t in tensors):
+    in bf16 they take a quarter of the memory), else as they are (so are entries already narrower than `dtype`:
+    fp16 ones of an fp32 model, `row_exact.exact_half_attention`'s)."""
+    if all(t.dtype.itemsize <= dtype.itemsize for t in tensors):
         return tensors
     narrow = [t.to(dtype) for t in tensors]
     return narrow if all(torch.equal(n.to(t.dtype), t) for n, t in zip(narrow, tensors)) else tensors
