@@ -111,14 +111,19 @@ class RowByRowLinear(nn.Linear):
         return torch.cat(rows).view(*x.shape[:-1], -1)
 
 
-@pytest.fixture(scope="module")
-def row_exact_model():
-    """(bf16 model with exact attention and row-by-row products, its setup promising row-exact forwards)."""
-    model = tiny_model("qwen3", dtype=torch.bfloat16, seed=2, attn_implementation=EXACT_ATTENTION)
+def row_by_row(dtype: torch.dtype, attention: str):
+    """(a tiny model with `attention` and row-by-row products, its setup promising row-exact forwards)."""
+    model = tiny_model("qwen3", dtype=dtype, seed=2, attn_implementation=attention)
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = RowByRowLinear
     return model, setup_of(model).replace(row_exact=True)
+
+
+@pytest.fixture(scope="module")
+def row_exact_model():
+    """(bf16 model with exact attention and row-by-row products, its setup promising row-exact forwards)."""
+    return row_by_row(torch.bfloat16, EXACT_ATTENTION)
 
 
 @pytest.fixture(scope="module")
@@ -148,11 +153,7 @@ def decode(model, prompts, cfg, prefix_cache=None, setup=None) -> tuple[list[lis
 def test_fp16_entries_are_stored_as_they_are_and_reused_bit_for_bit(strategy, prompts):
     """Exact attention over fp16 entries (an fp32 model): its prefixes are stored as fp16, not widened to the
     model's fp32, and answers and logprobs with a reused prefix are the fresh ones, bit for bit."""
-    model = tiny_model("qwen3", dtype=torch.float32, seed=2, attn_implementation=EXACT_HALF_ATTENTION)
-    for module in model.modules():
-        if type(module) is nn.Linear:
-            module.__class__ = RowByRowLinear
-    setup = setup_of(model).replace(row_exact=True)
+    model, setup = row_by_row(torch.float32, EXACT_HALF_ATTENTION)
     cfg = config(strategy)
     fresh = [decode(model, [p], cfg, setup=setup) for p in prompts]
     cache = PrefixCache(10**8)

@@ -197,10 +197,10 @@ def llama_gguf(tmp_path, model, head: bool = False) -> str:
     return str(tmp_path / "tiny.gguf")
 
 
-def tiny_int4_llama(tmp_path, monkeypatch, dtype: torch.dtype = torch.bfloat16, head: bool = False):
+def tiny_int4_llama(tmp_path, monkeypatch, dtype: torch.dtype = torch.bfloat16, head: bool = False,
+                    attention: str = row_exact.EXACT_ATTENTION):
     monkeypatch.setenv("REFUSION_CACHE", str(tmp_path / "cache"))
-    model = tiny_model("llama", hidden_size=128, heads=4, kv_heads=2, dtype=dtype,
-                       attn_implementation=row_exact.EXACT_ATTENTION)
+    model = tiny_model("llama", hidden_size=128, heads=4, kv_heads=2, dtype=dtype, attn_implementation=attention)
     return model, llama_gguf(tmp_path, model, head)
 
 
@@ -360,8 +360,8 @@ def test_the_embedded_model_in_fp32_multiplies_its_shipped_blocks_head_too():
 @needs_native
 @pytest.mark.slow
 def test_the_embedded_model_with_int8_rows_decodes_the_exact_mode_as_its_ar():
-    """int4-q8 on the embedded model: all 211 products round their rows, with exact attention (`default_attention`)
-    every row is computed as alone, and its exact mode is its own AR decoding."""
+    """int4-q8 on the embedded model: all 211 products round their rows, with exact attention over fp16 entries
+    (`default_attention`) every row is computed as alone, and its exact mode is its own AR decoding."""
     model, tokenizer = refusion.load(linear="int4-q8", dtype="float32")
     setup = setup_of(model)
     assert setup.kernels.linear == "int4-q8" and "211 of 211" in setup.kernels.reason and setup.row_exact
@@ -378,9 +378,9 @@ def test_int8_rows_over_fp16_entries_decode_the_exact_mode_and_batches_as_autore
     layers against the Python ones: tests/model/test_native.py)."""
     from refusion.decode import loop
 
-    model, path = tiny_int4_llama(tmp_path, monkeypatch, torch.float32, head=True)
-    model.config._attn_implementation = loading.default_attention(torch.device("cpu"), torch.float32, "int4-q8")
-    assert model.config._attn_implementation == row_exact.EXACT_HALF_ATTENTION
+    attention = loading.default_attention(torch.device("cpu"), torch.float32, "int4-q8")
+    assert attention == row_exact.EXACT_HALF_ATTENTION
+    model, path = tiny_int4_llama(tmp_path, monkeypatch, torch.float32, head=True, attention=attention)
     setup = prepare(model, weights_file=path, linear="int4-q8")
     assert setup.row_exact and loop.Decoder(model).cache.kv_dtype == torch.float16
     assert_exact_mode_and_batches_decode_as_ar(model)

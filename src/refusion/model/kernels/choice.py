@@ -194,9 +194,9 @@ def use_shipped_int4(model, weights_file: str | Path | None, int8_rows: bool = F
 
 
 def forwards_row_exact(model, linear: str, attention: str) -> bool:
-    """Whether every row of the model's forwards is computed bit for bit as it would be alone: exact attention (over fp64
-    or fp16 entries), and
-    every linear layer multiplying by a row-exact kernel (`LinearKernel.rows_match`) of which `linear` is one."""
+    """Whether every row of the model's forwards is computed bit for bit as it would be alone: exact attention (over
+    fp64 or fp16 entries), and every linear layer multiplying by a row-exact kernel (`LinearKernel.rows_match`) of
+    which `linear` is one."""
     from torch import nn
 
     from refusion.model.kernels.row_exact import EXACT_ATTENTIONS

@@ -1026,9 +1026,10 @@ constexpr int64_t kWidenedContextRows = 2;
 
 // rope_write into fp64 queries and the cache's fp64 or fp16 entries, then fused_exact_attention over them
 template <typename T>
-Tensor exact_rows_attention(const Layer& layer, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cos,
-                            const Tensor& sin, const Tensor& q_out, const c10::optional<Tensor>& mask,
-                            const Tensor& keys, const Tensor& values, int64_t start) {
+Tensor rope_write_exact_attention(const Layer& layer, const Tensor& q, const Tensor& k, const Tensor& v,
+                                  const Tensor& cos, const Tensor& sin, const Tensor& q_out,
+                                  const c10::optional<Tensor>& mask, const Tensor& keys, const Tensor& values,
+                                  int64_t start) {
   int64_t end = start + q.size(1);
   if (layer.attention == kExactHalf) {
     rope_write<T, double, c10::Half>(q, k, v, cos, sin, q_out, keys, values, start);
@@ -1046,8 +1047,8 @@ Tensor exact_rows_attention(const Layer& layer, const Tensor& q, const Tensor& k
 // The attention block's work between its products with the fused kernels: q and k (after their norms, Qwen3)
 // rotated, k and v written to the cache, attention over it. Returns the rows for the output product ([1, N, H * D]
 // with the layout's real rows, else [B, T, H * D]), or an undefined tensor where they do not apply (the ATen
-// operations run then): bf16 or fp32 layers, cos and sin of their dtype, and exact attention over fp64 (or fp16) entries or
-// sdpa over entries of the layers' dtype.
+// operations run then): bf16 or fp32 layers, cos and sin of their dtype, and exact attention over fp64 (or fp16)
+// entries or sdpa over entries of the layers' dtype.
 Tensor fused_attention(const Layer& layer, const std::vector<Tensor>& qkv, const Tensor& cos, const Tensor& sin,
                        const c10::optional<Tensor>& mask, const Tensor& keys, const Tensor& values, int64_t start,
                        const Layout& l) {
@@ -1077,10 +1078,16 @@ Tensor fused_attention(const Layer& layer, const std::vector<Tensor>& qkv, const
   Tensor q_out = at::empty(q.sizes(), q.options().dtype(exact ? at::kDouble : dtype));
   if (dtype == at::kBFloat16) {
     using T = c10::BFloat16;
-    if (exact) return gather(exact_rows_attention<T>(layer, q, k, v, cos, sin, q_out, mask, keys, values, start), l);
+    if (exact) {
+      return gather(rope_write_exact_attention<T>(layer, q, k, v, cos, sin, q_out, mask, keys, values, start),
+                    l);
+    }
     rope_write<T, T, T>(q, k, v, cos, sin, q_out, keys, values, start);
   } else {
-    if (exact) return gather(exact_rows_attention<float>(layer, q, k, v, cos, sin, q_out, mask, keys, values, start), l);
+    if (exact) {
+      return gather(rope_write_exact_attention<float>(layer, q, k, v, cos, sin, q_out, mask, keys, values, start),
+                    l);
+    }
     rope_write<float, float, float>(q, k, v, cos, sin, q_out, keys, values, start);
   }
   return sdpa_rows(q_out.transpose(1, 2), keys.slice(2, 0, end), values.slice(2, 0, end), mask, layer.scaling,
