@@ -70,6 +70,9 @@ def test_offline_hub_id_and_missing_paths_give_clear_errors(monkeypatch):
         refusion.load("missing.gguf")
     with pytest.raises(ValueError, match="not a torch dtype"):
         refusion.load("smollm2", dtype="float12")
+    with pytest.raises(ValueError, match="attn_implementation='bogus' is not an attention implementation: use one "
+                                         "of eager, sdpa, refusion_exact, refusion_exact_half"):
+        refusion.load("smollm2", attn_implementation="bogus")
 
 
 @pytest.mark.slow

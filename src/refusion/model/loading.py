@@ -100,6 +100,24 @@ def default_attention(device: torch.device, dtype: torch.dtype, linear: str = "a
     return EXACT_ATTENTION if dtype == torch.bfloat16 and packing_available() else "sdpa"
 
 
+def check_attention(name: str | None) -> None:
+    """A ValueError (one line) for an attention implementation that neither refusion's model definition nor
+    transformers runs, raised before anything is read or built (a bad name would otherwise fail the model cache's
+    read, then its rebuild)."""
+    if name is None:
+        return
+    from refusion.model.definition import ATTENTION_FUNCTIONS
+
+    if name in ATTENTION_FUNCTIONS:
+        return
+    from transformers import AttentionInterface
+
+    if name not in AttentionInterface().valid_keys():
+        raise ValueError(f"attn_implementation={name!r} is not an attention implementation: use one of "
+                         f"{', '.join(ATTENTION_FUNCTIONS)} (or one transformers runs on your device, such as "
+                         "flash_attention_2)")
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -180,6 +198,7 @@ def load(path: str | os.PathLike | None = None, dtype: torch.dtype | str | None 
     once and then read from the disk cache (`build_cache.py`).
     """
     check_linear(linear)
+    check_attention(attn_implementation)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r} is not one of {', '.join(IMPLEMENTATIONS)}")
     device = torch.device(device) if device is not None else default_device()
