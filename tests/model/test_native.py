@@ -10,7 +10,7 @@ from torch import nn
 
 import refusion
 from refusion.decode.cache import PADDING, SlotCache, attention_mask_dtype
-from refusion.model.compact import CompactForward, compact_forward
+from refusion.model.compact import CompactForward, Ragged, compact_forward
 from refusion.model.kernels import extension, fused, gated_lora, row_exact
 from refusion.model.setup import setup_of
 from refusion.model.tiny import tiny_model
@@ -122,6 +122,41 @@ def test_long_forwards_at_the_embedded_models_head_size(family, dtype, attention
                 mask = cache.begin_forward(step_groups, step_positions)
                 logits.append(run(step_ids, step_positions, mask, cache, step_ids.shape[1]))
                 cache.end_forward()
+        outs.append(logits)
+    assert_same(*outs)
+
+
+@pytest.mark.parametrize("attention", [row_exact.EXACT_ATTENTION, row_exact.EXACT_HALF_ATTENTION])
+def test_exact_attention_over_the_real_rows_of_a_wide_padded_forward(attention):
+    """A 70-token prompt beside a one-token one (69 padding rows), then a 3-token step beside a one-token step, each
+    forward over its real rows alone (`compact.Ragged`): exact attention computes those rows only, 64 at a time, and
+    gives the logits of the Python loop (which computes the whole padded layout) bit for bit."""
+    model = tiny_model("llama", hidden_size=192, heads=3, kv_heads=1, dtype=torch.float32, seed=9,
+                       attn_implementation=attention)
+    prompt = torch.randint(3, 60, (70,), generator=torch.Generator().manual_seed(1))
+    padding = torch.full((69,), PADDING)
+    steps = [(torch.stack([prompt, torch.cat([torch.zeros(69, dtype=torch.long), prompt[:1]])]),
+              torch.stack([torch.arange(70), torch.zeros(70, dtype=torch.long)]),
+              torch.stack([torch.zeros(70, dtype=torch.long), torch.cat([padding, torch.zeros(1, dtype=torch.long)])])),
+             (torch.tensor([[21, 22, 23], [0, 0, 24]]), torch.tensor([[70, 71, 72], [0, 0, 1]]),
+              torch.tensor([[0, 0, 0], [PADDING, PADDING, 0]]))]
+    outs = []
+    for run in (native_run(model), python_run(model)):
+        cache = SlotCache(model.config.num_hidden_layers, "cpu", 160, attention_mask_dtype(model),
+                          kv_dtype=row_exact.cache_dtype(model))
+        for row in range(2):
+            cache.add_sequence(row)
+        logits = []
+        with torch.inference_mode():
+            for ids, positions, groups in steps:
+                counts = (groups != PADDING).sum(1).tolist()
+                width = ids.shape[1]
+                mask = cache.begin_forward(groups, positions, counts=counts)
+                logits += run(ids, positions, mask, cache, width, Ragged.of(counts, counts, width, "cpu"))[0].split(
+                    counts)
+                cache.end_forward()
+                for row, n in enumerate(counts):
+                    cache.commit(row, positions[row, width - n:])
         outs.append(logits)
     assert_same(*outs)
 

@@ -19,6 +19,7 @@
 #include <immintrin.h>
 #endif
 #include <cstring>
+#include <numeric>
 #include <type_traits>
 #include <limits>
 
@@ -700,6 +701,17 @@ REFUSION_CLONES REFUSION_EXACT_PRODUCTS void add_weighted_values(const double* w
   }
 }
 
+// Where a forward's rows sit in attention's padded [B, T] layout (compact.Ragged): the layers compute the real rows
+// alone, [1, N, ...], and attention scatters them into that layout and gathers them back; `real` unset: the rows
+// are the layout. `split` (compact.Ragged.split): each row's real tokens, where sdpa runs row by row over them alone
+// (the padding's queries skipped); empty: one call over the padded layout. Exact attention computes the real rows
+// alone (fused_exact_attention)
+struct Layout {
+  c10::optional<Tensor> real;  // [N] flat indices into B * T of the real rows
+  int64_t batch, width;
+  std::vector<int64_t> split;
+};
+
 // fp16 KV entries widened to fp64 (exact: any conversion gives the same numbers), with F16C where the CPU has it
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target("avx,f16c"))) void half_doubles_f16c(const c10::Half* h, double* out, int64_t n) {
@@ -739,30 +751,33 @@ inline const double* entry_rows(const c10::Half* entries, int64_t begin, int64_t
 // columns the row sees, moved to the front in their order (row_exact.canonical_softmax: the same sums wherever its
 // keys sit in the cache), weights rounded to T, their product with the values summed in fp64, rounded to T.
 // q: [B, T, H, D] fp64 contiguous; keys, values: the cache storage [B, H_kv, capacity, D] of KV, attended up to
-// column `length`; mask: additive [B, 1, T, >= length] or none. Returns [B, T, H * D] in T.
+// column `length`; mask: additive [B, 1, T, >= length] (the last dimension contiguous) or none. `rows`: the query
+// rows computed, as flat indices b * T + t (a padded forward's real rows: its padding's are never read). Returns
+// [rows, H * D] in T.
 // Columns past the last one a query row sees (mask at its dtype's lowest) are not multiplied; no column it does not
 // see enters its softmax, and each gets weight 0, as it would with its product and the mask added.
 // The query heads that share a key head are computed together, each entry read (and widened) once for all of them;
 // each head's sums are the same, in the same order, as alone.
 template <typename T, typename KV>
 Tensor exact_attention_rows(const Tensor& q, const Tensor& keys, const Tensor& values,
-                            const c10::optional<Tensor>& mask, double scaling, int64_t length, int64_t columns) {
-  int64_t batch = q.size(0), width = q.size(1), heads = q.size(2), dim = q.size(3);
+                            const c10::optional<Tensor>& mask, double scaling, int64_t length, int64_t columns,
+                            const int64_t* query_rows, int64_t count) {
+  int64_t width = q.size(1), heads = q.size(2), dim = q.size(3);
   int64_t kv_heads = keys.size(1), capacity = keys.size(2), groups = heads / kv_heads;
   int64_t span = std::max(length, columns);  // the softmax's columns: the row's own at the front, then padding
   constexpr float kFill = std::numeric_limits<float>::lowest();
-  Tensor scores = at::empty({batch, heads, width, span}, q.options().dtype(at::kFloat));
+  Tensor scores = at::empty({count, heads, span}, q.options().dtype(at::kFloat));
   const double* qd = q.const_data_ptr<double>();
   const KV *kd = keys.const_data_ptr<KV>(), *vd = values.const_data_ptr<KV>();
   float* sd = scores.mutable_data_ptr<float>();
-  int64_t rows = batch * kv_heads * width;  // (b, g, t): the query heads of key head g at row t
+  int64_t rows = count * kv_heads;  // (i, g): the query heads of key head g at the i-th listed row
   int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(1, length * dim * groups));
   Tensor m;
   double lowest = 0;  // the mask's value for a column a row does not see: its dtype's lowest
   int64_t mb = 0, mt = 0;
   at::ScalarType mask_type = at::kDouble;
   if (mask) {
-    m = mask->contiguous();
+    m = mask->stride(-1) == 1 ? *mask : mask->contiguous();
     mb = m.stride(0), mt = m.stride(2), mask_type = m.scalar_type();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, mask_type, "mask",
                                     [&] { lowest = static_cast<double>(std::numeric_limits<scalar_t>::lowest()); });
@@ -781,7 +796,8 @@ Tensor exact_attention_rows(const Tensor& q, const Tensor& keys, const Tensor& v
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<double> dots(groups * length), masked(mask ? length : 0), block(kEntryRows * dim);
     for (int64_t r = begin; r < end; ++r) {
-      int64_t b = r / (kv_heads * width), g = r / width % kv_heads, t = r % width, first, seen;
+      int64_t row = r / kv_heads, g = r % kv_heads, b = query_rows[row] / width, t = query_rows[row] % width;
+      int64_t first, seen;
       mask_row(b, t, masked, first, seen);
       const KV* head_keys = kd + (b * kv_heads + g) * capacity * dim;
       for (int64_t j0 = first; j0 < seen; j0 += kEntryRows) {
@@ -792,7 +808,7 @@ Tensor exact_attention_rows(const Tensor& q, const Tensor& keys, const Tensor& v
         }
       }
       for (int64_t i = 0; i < groups; ++i) {
-        float* out = sd + ((b * heads + g * groups + i) * width + t) * span;
+        float* out = sd + (row * heads + g * groups + i) * span;
         const double* head_dots = dots.data() + i * length;
         int64_t n = 0;  // the columns the row sees, in order, at the front
         for (int64_t j = first; j < seen; ++j) {
@@ -806,20 +822,21 @@ Tensor exact_attention_rows(const Tensor& q, const Tensor& keys, const Tensor& v
     }
   });
   Tensor weights = at::_softmax(scores, -1, false);
-  Tensor result = at::empty({batch, width, heads * dim}, q.options().dtype(c10::CppTypeToScalarType<T>::value));
+  Tensor result = at::empty({count, heads * dim}, q.options().dtype(c10::CppTypeToScalarType<T>::value));
   const float* wd = weights.const_data_ptr<float>();
   T* od = result.mutable_data_ptr<T>();
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<double> w(groups * length), acc(groups * dim), masked(mask ? length : 0), block(kEntryRows * dim);
     for (int64_t r = begin; r < end; ++r) {
-      int64_t b = r / (kv_heads * width), g = r / width % kv_heads, t = r % width, first, seen;
+      int64_t row = r / kv_heads, g = r % kv_heads, b = query_rows[row] / width, t = query_rows[row] % width;
+      int64_t first, seen;
       mask_row(b, t, masked, first, seen);
       for (int64_t i = 0; i < groups; ++i) {  // each seen column's weight back at its column, .to(dtype).double()
-        const float* row = wd + ((b * heads + g * groups + i) * width + t) * span;
+        const float* weights_row = wd + (row * heads + g * groups + i) * span;
         double* head_w = w.data() + i * length;
         int64_t n = 0;
         for (int64_t j = first; j < seen; ++j) {
-          head_w[j] = mask && masked[j] <= lowest ? 0.0 : static_cast<double>(narrow<T>(row[n++]));
+          head_w[j] = mask && masked[j] <= lowest ? 0.0 : static_cast<double>(narrow<T>(weights_row[n++]));
         }
       }
       std::fill(acc.begin(), acc.end(), 0.0);
@@ -832,7 +849,7 @@ Tensor exact_attention_rows(const Tensor& q, const Tensor& keys, const Tensor& v
         }
       }
       for (int64_t i = 0; i < groups; ++i) {
-        T* out = od + (b * width + t) * heads * dim + (g * groups + i) * dim;
+        T* out = od + row * heads * dim + (g * groups + i) * dim;
         for (int64_t d = 0; d < dim; ++d) out[d] = narrow64<T>(acc[i * dim + d]);
       }
     }
@@ -842,21 +859,38 @@ Tensor exact_attention_rows(const Tensor& q, const Tensor& keys, const Tensor& v
 
 constexpr int64_t kAttentionRows = 64;  // query rows per pass of a wide forward's exact attention
 
-// exact_attention_rows over at most kAttentionRows query rows at a time (each row's numbers are its own: the same
-// bits), so that a prefill's scores and weights take [B, H, 64, length] at a time, not [B, H, T, length]
+// exact_attention_rows over the forward's rows (a padded layout's real rows alone: Layout), at most kAttentionRows
+// at a time (each row's numbers are its own: the same bits), so that a prefill's scores and weights take
+// [64, H, length] at a time, not [T, H, length]. Returns [1, N, H * D] for the real rows, else [B, T, H * D].
 template <typename T, typename KV>
 Tensor fused_exact_attention(const Tensor& q, const Tensor& keys, const Tensor& values,
-                             const c10::optional<Tensor>& mask, double scaling, int64_t length, int64_t columns) {
-  int64_t width = q.size(1);
-  if (width <= kAttentionRows) return exact_attention_rows<T, KV>(q, keys, values, mask, scaling, length, columns);
-  std::vector<Tensor> parts;
-  for (int64_t t = 0; t < width; t += kAttentionRows) {
-    int64_t end = std::min(width, t + kAttentionRows);
-    c10::optional<Tensor> rows_mask = mask ? c10::optional<Tensor>(mask->slice(2, t, end)) : c10::nullopt;
-    parts.push_back(exact_attention_rows<T, KV>(q.slice(1, t, end).contiguous(), keys, values, rows_mask, scaling,
-                                                length, columns));
+                             const c10::optional<Tensor>& mask, double scaling, int64_t length, int64_t columns,
+                             const Layout& l) {
+  int64_t batch = q.size(0), width = q.size(1), heads = q.size(2), dim = q.size(3);
+  std::vector<int64_t> all;
+  Tensor real;
+  const int64_t* rows;
+  int64_t count;
+  if (l.real) {
+    real = l.real->to(at::kLong).contiguous();
+    rows = real.const_data_ptr<int64_t>(), count = real.numel();
+  } else {
+    all.resize(batch * width);
+    std::iota(all.begin(), all.end(), int64_t{0});
+    rows = all.data(), count = batch * width;
   }
-  return at::cat(parts, 1);
+  Tensor out;
+  if (count <= kAttentionRows) {
+    out = exact_attention_rows<T, KV>(q, keys, values, mask, scaling, length, columns, rows, count);
+  } else {
+    std::vector<Tensor> parts;
+    for (int64_t i = 0; i < count; i += kAttentionRows) {
+      parts.push_back(exact_attention_rows<T, KV>(q, keys, values, mask, scaling, length, columns, rows + i,
+                                                  std::min(kAttentionRows, count - i)));
+    }
+    out = at::cat(parts, 0);
+  }
+  return l.real ? out.view({1, count, heads * dim}) : out.view({batch, width, heads * dim});
 }
 
 // LlamaRMSNorm.forward (Mistral, Qwen2, Qwen3 alike) after an optional residual add: (hidden, normed)
@@ -974,16 +1008,6 @@ Tensor rotary(const Tensor& x, const Tensor& c, const Tensor& s) {
   return (x * c) + (rotate_half(x) * s);
 }
 
-// Where a forward's rows sit in attention's padded [B, T] layout (compact.Ragged): the layers compute the real rows
-// alone, [1, N, ...], and attention scatters them into that layout and gathers them back; `real` unset: the rows
-// are the layout. `split` (compact.Ragged.split): each row's real tokens, where sdpa runs row by row over them alone
-// (the padding's queries skipped); empty: one call over the padded layout
-struct Layout {
-  c10::optional<Tensor> real;  // [N] flat indices into B * T of the real rows
-  int64_t batch, width;
-  std::vector<int64_t> split;
-};
-
 // Ragged.scatter: [1, N, F] -> [B, T, F], zeros at the padding
 Tensor scatter(const Tensor& x, const Layout& l) {
   if (!l.real) return x;
@@ -1024,24 +1048,26 @@ Tensor sdpa_rows(const Tensor& query, const Tensor& keys, const Tensor& values, 
 // their rows, where narrower ones widen each row's entries a block at a time (each row re-reads the whole context)
 constexpr int64_t kWidenedContextRows = 2;
 
-// rope_write into fp64 queries and the cache's fp64 or fp16 entries, then fused_exact_attention over them
+// rope_write into fp64 queries and the cache's fp64 or fp16 entries, then fused_exact_attention over them (the
+// layout's real rows alone)
 template <typename T>
 Tensor rope_write_exact_attention(const Layer& layer, const Tensor& q, const Tensor& k, const Tensor& v,
                                   const Tensor& cos, const Tensor& sin, const Tensor& q_out,
                                   const c10::optional<Tensor>& mask, const Tensor& keys, const Tensor& values,
-                                  int64_t start) {
+                                  int64_t start, const Layout& l) {
   int64_t end = start + q.size(1);
   if (layer.attention == kExactHalf) {
     rope_write<T, double, c10::Half>(q, k, v, cos, sin, q_out, keys, values, start);
     if (q.size(1) > kWidenedContextRows) {  // the context widened once for all rows (the same numbers)
       return fused_exact_attention<T, double>(q_out, keys.slice(2, 0, end).to(at::kDouble),
                                               values.slice(2, 0, end).to(at::kDouble), mask, layer.scaling, end,
-                                              layer.softmax_columns);
+                                              layer.softmax_columns, l);
     }
-    return fused_exact_attention<T, c10::Half>(q_out, keys, values, mask, layer.scaling, end, layer.softmax_columns);
+    return fused_exact_attention<T, c10::Half>(q_out, keys, values, mask, layer.scaling, end, layer.softmax_columns,
+                                               l);
   }
   rope_write<T, double, double>(q, k, v, cos, sin, q_out, keys, values, start);
-  return fused_exact_attention<T, double>(q_out, keys, values, mask, layer.scaling, end, layer.softmax_columns);
+  return fused_exact_attention<T, double>(q_out, keys, values, mask, layer.scaling, end, layer.softmax_columns, l);
 }
 
 // The attention block's work between its products with the fused kernels: q and k (after their norms, Qwen3)
@@ -1079,14 +1105,12 @@ Tensor fused_attention(const Layer& layer, const std::vector<Tensor>& qkv, const
   if (dtype == at::kBFloat16) {
     using T = c10::BFloat16;
     if (exact) {
-      return gather(rope_write_exact_attention<T>(layer, q, k, v, cos, sin, q_out, mask, keys, values, start),
-                    l);
+      return rope_write_exact_attention<T>(layer, q, k, v, cos, sin, q_out, mask, keys, values, start, l);
     }
     rope_write<T, T, T>(q, k, v, cos, sin, q_out, keys, values, start);
   } else {
     if (exact) {
-      return gather(rope_write_exact_attention<float>(layer, q, k, v, cos, sin, q_out, mask, keys, values, start),
-                    l);
+      return rope_write_exact_attention<float>(layer, q, k, v, cos, sin, q_out, mask, keys, values, start, l);
     }
     rope_write<float, float, float>(q, k, v, cos, sin, q_out, keys, values, start);
   }
