@@ -18,7 +18,7 @@ def splits_attention(batch: int, rows: int, width: int, columns: int) -> bool:
     """Whether a padded forward of `batch` sequences holding `rows` real tokens, padded to `width` each, over
     `columns` cache columns (its own included), runs sdpa row by row over the real queries alone (`SPLIT_WORK`).
     Decided on shapes alone, so the same forward splits alike in every process. Only sdpa splits
-    (`compact.CompactForward`): it computes every padded query, where exact attention already skips what a padding
-    query does not see. Splitting keeps each row's attention exactly what it is but may round a row's fp32 sums
+    (`compact.CompactForward`): it computes every padded query, where the C++ layers' exact attention computes the
+    real rows alone in one call. Splitting keeps each row's attention exactly what it is but may round a row's fp32 sums
     differently (sdpa's blocks depend on how many queries a call holds), as a different batch width does."""
     return batch > 1 and (batch * width - rows) * columns >= SPLIT_WORK * (batch - 1)

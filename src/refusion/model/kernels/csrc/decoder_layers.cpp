@@ -734,6 +734,7 @@ void half_doubles(const c10::Half* h, double* out, int64_t n) {
 }
 
 constexpr int64_t kEntryRows = 64;  // KV entries widened to fp64 at a time (a block of 64 x 64 fp64 stays in L1/L2)
+constexpr int64_t kTileRows = 8;     // query rows of one sequence that share each block of its entries
 
 // rows [begin, begin + n) of one head's KV entries ([capacity, dim]) in fp64: fp64 entries in place, fp16 ones
 // widened into `buffer` (at least kEntryRows * dim)
@@ -770,7 +771,6 @@ Tensor exact_attention_rows(const Tensor& q, const Tensor& keys, const Tensor& v
   const double* qd = q.const_data_ptr<double>();
   const KV *kd = keys.const_data_ptr<KV>(), *vd = values.const_data_ptr<KV>();
   float* sd = scores.mutable_data_ptr<float>();
-  int64_t rows = count * kv_heads;  // (i, g): the query heads of key head g at the i-th listed row
   int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(1, length * dim * groups));
   Tensor m;
   double lowest = 0;  // the mask's value for a column a row does not see: its dtype's lowest
@@ -783,7 +783,7 @@ Tensor exact_attention_rows(const Tensor& q, const Tensor& keys, const Tensor& v
                                     [&] { lowest = static_cast<double>(std::numeric_limits<scalar_t>::lowest()); });
   }
   // the mask's row of (b, t) in fp64, and the columns from the first to the last one it sees
-  auto mask_row = [&](int64_t b, int64_t t, std::vector<double>& masked, int64_t& first, int64_t& seen) {
+  auto mask_row = [&](int64_t b, int64_t t, double* masked, int64_t& first, int64_t& seen) {
     first = 0, seen = length;
     if (!mask) return;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, mask_type, "mask", [&] {
@@ -793,31 +793,68 @@ Tensor exact_attention_rows(const Tensor& q, const Tensor& keys, const Tensor& v
     while (seen > 0 && (masked[seen - 1] <= lowest)) --seen;
     while (first < seen && (masked[first] <= lowest)) ++first;  // a padding row sees its own columns alone
   };
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    std::vector<double> dots(groups * length), masked(mask ? length : 0), block(kEntryRows * dim);
-    for (int64_t r = begin; r < end; ++r) {
-      int64_t row = r / kv_heads, g = r % kv_heads, b = query_rows[row] / width, t = query_rows[row] % width;
-      int64_t first, seen;
-      mask_row(b, t, masked, first, seen);
+  // tiles: up to kTileRows consecutive listed rows of one sequence (a prefill's), which read each block of its
+  // entries once for all of them (from the CPU's cache) instead of once per row
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (first listed row, rows)
+  for (int64_t i = 0; i < count; ++i) {
+    int64_t b = query_rows[i] / width;
+    if (!tiles.empty() && tiles.back().second < kTileRows &&
+        query_rows[tiles.back().first] / width == b) {
+      ++tiles.back().second;
+    } else {
+      tiles.emplace_back(i, 1);
+    }
+  }
+  int64_t items = static_cast<int64_t>(tiles.size()) * kv_heads;  // (tile, g)
+  // the tile's rows: their masks in fp64, the columns each sees (first, seen), and the span they cover together
+  struct TileRows {
+    std::vector<double> masked;  // [rows, length]
+    int64_t first[kTileRows], seen[kTileRows], low = 0, high = 0;
+  };
+  auto tile_rows = [&](const std::pair<int64_t, int64_t>& tile, TileRows& tr) {
+    tr.low = length, tr.high = 0;
+    for (int64_t k = 0; k < tile.second; ++k) {
+      int64_t bt = query_rows[tile.first + k];
+      mask_row(bt / width, bt % width, tr.masked.data() + k * length, tr.first[k], tr.seen[k]);
+      if (tr.first[k] < tr.seen[k]) tr.low = std::min(tr.low, tr.first[k]), tr.high = std::max(tr.high, tr.seen[k]);
+    }
+  };
+  at::parallel_for(0, items, std::max<int64_t>(1, grain / kTileRows), [&](int64_t begin, int64_t end) {
+    std::vector<double> dots(kTileRows * groups * length), block(kEntryRows * dim);
+    TileRows tr;
+    tr.masked.resize(mask ? kTileRows * length : 0);
+    for (int64_t item = begin; item < end; ++item) {
+      const auto& tile = tiles[item / kv_heads];
+      int64_t g = item % kv_heads, b = query_rows[tile.first] / width;
+      tile_rows(tile, tr);
       const KV* head_keys = kd + (b * kv_heads + g) * capacity * dim;
-      for (int64_t j0 = first; j0 < seen; j0 += kEntryRows) {
-        int64_t n = std::min(kEntryRows, seen - j0);
+      for (int64_t j0 = tr.low; j0 < tr.high; j0 += kEntryRows) {
+        int64_t n = std::min(kEntryRows, tr.high - j0);
         const double* k = entry_rows(head_keys, j0, n, dim, block.data());
-        for (int64_t i = 0; i < groups; ++i) {
-          key_dots(qd + ((b * width + t) * heads + g * groups + i) * dim, k, n, dim, dots.data() + i * length + j0);
+        for (int64_t r = 0; r < tile.second; ++r) {  // each row's keys of this block
+          int64_t from = std::max(j0, tr.first[r]), to = std::min(j0 + n, tr.seen[r]);
+          if (from >= to) continue;
+          int64_t t = query_rows[tile.first + r] % width;
+          for (int64_t i = 0; i < groups; ++i) {
+            key_dots(qd + ((b * width + t) * heads + g * groups + i) * dim, k + (from - j0) * dim, to - from, dim,
+                     dots.data() + (r * groups + i) * length + from);
+          }
         }
       }
-      for (int64_t i = 0; i < groups; ++i) {
-        float* out = sd + (row * heads + g * groups + i) * span;
-        const double* head_dots = dots.data() + i * length;
-        int64_t n = 0;  // the columns the row sees, in order, at the front
-        for (int64_t j = first; j < seen; ++j) {
-          if (mask && masked[j] <= lowest) continue;
-          double score = head_dots[j] * scaling;
-          if (mask) score = score + masked[j];
-          out[n++] = static_cast<float>(score);
+      for (int64_t r = 0; r < tile.second; ++r) {
+        const double* masked = mask ? tr.masked.data() + r * length : nullptr;
+        for (int64_t i = 0; i < groups; ++i) {
+          float* out = sd + ((tile.first + r) * heads + g * groups + i) * span;
+          const double* head_dots = dots.data() + (r * groups + i) * length;
+          int64_t n = 0;  // the columns the row sees, in order, at the front
+          for (int64_t j = tr.first[r]; j < tr.seen[r]; ++j) {
+            if (mask && masked[j] <= lowest) continue;
+            double score = head_dots[j] * scaling;
+            if (mask) score = score + masked[j];
+            out[n++] = static_cast<float>(score);
+          }
+          for (int64_t j = n; j < span; ++j) out[j] = kFill;
         }
-        for (int64_t j = n; j < span; ++j) out[j] = kFill;
       }
     }
   });
@@ -825,32 +862,44 @@ Tensor exact_attention_rows(const Tensor& q, const Tensor& keys, const Tensor& v
   Tensor result = at::empty({count, heads * dim}, q.options().dtype(c10::CppTypeToScalarType<T>::value));
   const float* wd = weights.const_data_ptr<float>();
   T* od = result.mutable_data_ptr<T>();
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    std::vector<double> w(groups * length), acc(groups * dim), masked(mask ? length : 0), block(kEntryRows * dim);
-    for (int64_t r = begin; r < end; ++r) {
-      int64_t row = r / kv_heads, g = r % kv_heads, b = query_rows[row] / width, t = query_rows[row] % width;
-      int64_t first, seen;
-      mask_row(b, t, masked, first, seen);
-      for (int64_t i = 0; i < groups; ++i) {  // each seen column's weight back at its column, .to(dtype).double()
-        const float* weights_row = wd + (row * heads + g * groups + i) * span;
-        double* head_w = w.data() + i * length;
-        int64_t n = 0;
-        for (int64_t j = first; j < seen; ++j) {
-          head_w[j] = mask && masked[j] <= lowest ? 0.0 : static_cast<double>(narrow<T>(weights_row[n++]));
+  at::parallel_for(0, items, std::max<int64_t>(1, grain / kTileRows), [&](int64_t begin, int64_t end) {
+    std::vector<double> w(kTileRows * groups * length), acc(kTileRows * groups * dim), block(kEntryRows * dim);
+    TileRows tr;
+    tr.masked.resize(mask ? kTileRows * length : 0);
+    for (int64_t item = begin; item < end; ++item) {
+      const auto& tile = tiles[item / kv_heads];
+      int64_t g = item % kv_heads, b = query_rows[tile.first] / width;
+      tile_rows(tile, tr);
+      for (int64_t r = 0; r < tile.second; ++r) {
+        const double* masked = mask ? tr.masked.data() + r * length : nullptr;
+        for (int64_t i = 0; i < groups; ++i) {  // each seen column's weight back at its column, .to(dtype).double()
+          const float* weights_row = wd + ((tile.first + r) * heads + g * groups + i) * span;
+          double* head_w = w.data() + (r * groups + i) * length;
+          int64_t n = 0;
+          for (int64_t j = tr.first[r]; j < tr.seen[r]; ++j) {
+            head_w[j] = mask && masked[j] <= lowest ? 0.0 : static_cast<double>(narrow<T>(weights_row[n++]));
+          }
         }
       }
       std::fill(acc.begin(), acc.end(), 0.0);
       const KV* head_values = vd + (b * kv_heads + g) * capacity * dim;
-      for (int64_t j0 = first; j0 < seen; j0 += kEntryRows) {  // the columns outside weigh 0: they add nothing
-        int64_t n = std::min(kEntryRows, seen - j0);
+      for (int64_t j0 = tr.low; j0 < tr.high; j0 += kEntryRows) {  // the columns outside weigh 0: they add nothing
+        int64_t n = std::min(kEntryRows, tr.high - j0);
         const double* v = entry_rows(head_values, j0, n, dim, block.data());
-        for (int64_t i = 0; i < groups; ++i) {
-          add_weighted_values(w.data() + i * length + j0, v, n, dim, acc.data() + i * dim);
+        for (int64_t r = 0; r < tile.second; ++r) {  // each row's sums go on in column order, block after block
+          int64_t from = std::max(j0, tr.first[r]), to = std::min(j0 + n, tr.seen[r]);
+          if (from >= to) continue;
+          for (int64_t i = 0; i < groups; ++i) {
+            add_weighted_values(w.data() + (r * groups + i) * length + from, v + (from - j0) * dim, to - from, dim,
+                                acc.data() + (r * groups + i) * dim);
+          }
         }
       }
-      for (int64_t i = 0; i < groups; ++i) {
-        T* out = od + row * heads * dim + (g * groups + i) * dim;
-        for (int64_t d = 0; d < dim; ++d) out[d] = narrow64<T>(acc[i * dim + d]);
+      for (int64_t r = 0; r < tile.second; ++r) {
+        for (int64_t i = 0; i < groups; ++i) {
+          T* out = od + (tile.first + r) * heads * dim + (g * groups + i) * dim;
+          for (int64_t d = 0; d < dim; ++d) out[d] = narrow64<T>(acc[(r * groups + i) * dim + d]);
+        }
       }
     }
   });
