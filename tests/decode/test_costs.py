@@ -93,6 +93,29 @@ def test_in_a_batch_the_step_prices_the_padding_to_the_widest_sequence():
     assert draft_counts([(1, chain)], [6, 1, 1], costly) == [5]
 
 
+def test_beside_a_prefill_drafts_are_worth_what_their_rows_cost_in_a_plain_step():
+    """A 150-token prefill beside three one-token steps makes a slow step whatever is drafted: at its own rate (4
+    tokens over ~240 ms) a draft accepted 4 times in 10 would pay for its 1.6 ms row 25 times over, but at the batch's
+    rate in a plain AR step (4 tokens over 12 ms) it gives less than its row's time is worth there, so none is
+    verified; a chain of sure drafts still is. Without the prefill, the step's own rate decides, as before."""
+    costs = ForwardCosts((1, 4, 64, 256), (10.0, 12.0, 100.0, 400.0))
+    unsure = AcceptanceByDepth()
+    for accepted in (0, 0, 1):
+        unsure.record(drafted=1, accepted=accepted)
+    sure = AcceptanceByDepth()
+    for _ in range(50):
+        sure.record(drafted=4, accepted=4)
+    offer, chain = (tuple((1, c) for c in chances(4, a)) for a in (unsure, sure))
+    assert unsure.rate(1) == pytest.approx(0.4)
+    row = costs.of(154) - costs.of(153)
+    assert (4 + 0.4) / (costs.of(153) + row) > 4 / costs.of(153)  # the step's own rate would take it
+    assert 0.4 < 4 / costs.of(4) * row  # what its row's time gives in a plain step
+    assert draft_counts([(1, offer)], [150, 1, 1], costs) == [0]
+    assert draft_counts([(1, chain)], [150, 1, 1], costs) == [4]
+    assert draft_counts([(1, offer)], [1, 1, 1], costs) == [0]  # 4.4 tokens for 13.5 / 4 for 12
+    assert draft_counts([(1, chain)], [1, 1, 1], costs) == [4]
+
+
 def test_a_longer_layout_and_a_larger_batch_than_the_probe_s_pay_for_their_attention_and_mask():
     """Every row of a forward, padding included, attends over the whole layout: beyond the probe's columns each pays
     `attention` per column; the mask spans every sequence and column, so 4x the probe's columns pay 4x the masking

@@ -406,7 +406,15 @@ def draft_counts(offers: list[tuple[int, tuple[tuple[int, float], ...]]], others
     taken whole) and order every sequence's blocks by gain per row; for each width the forward could have, take the
     prefix of that order (of the blocks that fit in it) that maximizes (tokens + its gains) / cost; the best over
     the widths. Plain AR for every sequence unless some choice is strictly better. One sequence with one chain gets
-    `best_draft_count`'s answer."""
+    `best_draft_count`'s answer.
+
+    A step that holds more than one token for some sequence whatever is drafted (a prefill beside the others' steps,
+    a plan) is slow for reasons the drafts do not change: its own rate, a few tokens over a prompt's forward, would
+    make any draft look worth its rows. There the drafts are valued at the batch's rate in a plain AR step instead
+    (tokens / the cost of one row a sequence): a choice is taken where its gains exceed what its extra seconds give
+    at that rate (gain - rate * (cost - cost without drafts), the largest such). On E5 with `--linear int4-q8` and 8
+    sequences, rate-maximizing filled such steps with drafts at ~4 ms a row: a prefill step took 770-790 ms against
+    AR's 570-630, and the exact mode delivered 0.81x AR's tokens/s (`benchmarks/continuous_batching.py`)."""
     widths = [width for width, _ in offers] + list(others)
     batch, base_rows, base_width = len(widths), sum(widths), max(widths, default=1)
     tokens = float(batch)
@@ -429,15 +437,22 @@ def draft_counts(offers: list[tuple[int, tuple[tuple[int, float], ...]]], others
             priced[rows, widest] = costs.of_batch(rows, batch, widest, columns)
         return priced[rows, widest]
 
-    best, best_rate = [], tokens / cost(base_rows, base_width)
+    base_cost = cost(base_rows, base_width)
+    reference = tokens / cost(batch, 1) if base_width > 1 else None  # the batch's rate in a plain AR step
+
+    def value(gain: float, rows: int, widest: int) -> float:
+        if reference is None:  # the step's own rate: its tokens (one a sequence, plus the gains) per second
+            return (tokens + gain) / cost(rows, widest)
+        return gain - reference * (cost(rows, widest) - base_cost)  # what the drafts add beyond their time's worth
+
+    best, best_value = [], value(0.0, base_rows, base_width)
     for limit in sorted({base_width, *(b[5] for b in blocks if b[5] > base_width)}):
         fitting = [b for b in blocks if b[5] <= limit]
-        rows, gain, widest = base_rows, tokens, base_width
+        rows, gain, widest = base_rows, 0.0, base_width
         for taken, block in enumerate(fitting, 1):
             rows, gain, widest = rows + block[3], gain + block[4], max(widest, block[5])
-            rate = gain / cost(rows, widest)
-            if rate > best_rate:
-                best, best_rate = fitting[:taken], rate
+            if (candidate := value(gain, rows, widest)) > best_value:
+                best, best_value = fitting[:taken], candidate
     counts = [0] * len(offers)
     for _, index, count, _, _, _ in best:
         counts[index] += count

@@ -1,0 +1,110 @@
+"""The server's batching loop without the server: where a continuous batch's steps go, in one process.
+
+`refusion serve` keeps up to `--max-batch-size` sequences in one `Decoder` and steps them together, admitting a
+waiting request as soon as one finishes, so most steps are one-token rows of the live sequences and some carry a new
+request's whole prompt beside them. This benchmark runs that loop (`Decoder.add` when a sequence finishes, `Decoder.step`
+otherwise) over the serving benchmark's held-out prompts (`serving.held_out_prompts`) with `--live` sequences at a
+time, without HTTP, streaming or the event loop, and reports for each strategy (AR and the preset's exact mode, taking
+turns `--rounds` times; each strategy's fastest round counts):
+
+* output tokens/s over the whole run;
+* steps, forward milliseconds per step, apart for steps that prefill a prompt and steps that do not;
+* host milliseconds per step: the step's work outside the forward (the programs, drafting and its decision, sampling,
+  the cache's bookkeeping).
+
+What the server adds on top of these numbers is its own (`serving.py --library` compares it with the library at one
+client). Ends with one JSON line.
+
+    python benchmarks/continuous_batching.py [--live 8] [--per-task 12] [--max-tokens 128] [--linear int4-q8]
+                                            [--strategies autoregressive,preset] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from harness import conditions, cpu_name, emit
+from serving import held_out_prompts
+
+import refusion
+from refusion.model.setup import setup_of
+
+
+def run_batch(model, prompts: list[list[int]], live: int, strategy: str, max_tokens: int) -> dict:
+    """Decode `prompts` with at most `live` sequences at a time, each new one admitted when another finishes."""
+    from refusion.config import layered_config
+    from refusion.decode.loop import Decoder, default_config
+
+    setup = setup_of(model)
+    chosen = {"max_new_tokens": max_tokens, **({} if strategy == "preset" else {"strategy": strategy})}
+    cfg = layered_config(default_config(setup).to_dict(), explicit=chosen)
+    tokens = setup.special_tokens.for_decoding(cfg)
+    decoder = Decoder(model, capacity=512, setup=setup)  # the server's default decoder capacity
+    waiting = list(prompts)
+
+    def admit() -> None:
+        decoder.add(waiting.pop(0), cfg, mask_token_id=tokens.mask_token_id, eos_token_ids=list(tokens.eos_token_ids))
+
+    for _ in range(min(live, len(waiting))):
+        admit()
+    out = {"tokens": 0, "steps": 0, "prefill_steps": 0, "prefill_forward_s": 0.0, "step_forward_s": 0.0,
+           "host_s": 0.0}
+    begin = time.perf_counter()
+    while decoder.live:
+        prefills = any(r.seq.stats.forwards == 0 for r in decoder.live.values())  # a new sequence's first forward
+        forward_before, step_begin = decoder.stats.forward_seconds, time.perf_counter()
+        finished = decoder.step()
+        forward = decoder.stats.forward_seconds - forward_before
+        out["host_s"] += time.perf_counter() - step_begin - forward
+        out["steps"] += 1
+        out["prefill_steps"] += prefills
+        out["prefill_forward_s" if prefills else "step_forward_s"] += forward
+        for seq in finished:
+            out["tokens"] += seq.stats.tokens
+            if waiting:
+                admit()
+    out["seconds"] = time.perf_counter() - begin
+    out["tokens_per_second"] = out["tokens"] / out["seconds"]
+    steps, plain = out["steps"], out["steps"] - out["prefill_steps"]
+    out["forward_ms_per_prefill_step"] = 1e3 * out["prefill_forward_s"] / max(out["prefill_steps"], 1)
+    out["forward_ms_per_other_step"] = 1e3 * out["step_forward_s"] / max(plain, 1)
+    out["host_ms_per_step"] = 1e3 * out["host_s"] / max(steps, 1)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--live", type=int, default=8, help="sequences decoded together (the server's slots)")
+    parser.add_argument("--per-task", type=int, default=12, help="held-out prompts of each task slice")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--linear", default="int4-q8")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--strategies", default="autoregressive,preset")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    model, tokenizer = refusion.load(linear=args.linear, **({"dtype": args.dtype} if args.dtype else {}))
+    prompts = refusion.encode_prompts(tokenizer, held_out_prompts(args.per_task))
+    strategies = args.strategies.split(",")
+    run_batch(model, prompts[:2], 2, strategies[0], 8)  # warm: kernels set up, forward costs read
+    rounds: dict[str, list[dict]] = {s: [] for s in strategies}
+    for r in range(args.rounds):
+        for strategy in strategies:
+            result = run_batch(model, prompts, args.live, strategy, args.max_tokens)
+            rounds[strategy].append(result)
+            print(f"round {r} {strategy:>14}: {result['tokens_per_second']:6.1f} tokens/s, {result['steps']} steps "
+                  f"({result['prefill_steps']} with a prefill: {result['forward_ms_per_prefill_step']:.0f} ms each), "
+                  f"other steps {result['forward_ms_per_other_step']:.1f} ms, host {result['host_ms_per_step']:.2f} "
+                  f"ms/step", flush=True)
+    best = {s: max(rs, key=lambda x: x["tokens_per_second"]) for s, rs in rounds.items()}
+    report = {"benchmark": "continuous_batching", "live": args.live, "prompts": len(prompts),
+              "max_tokens": args.max_tokens, "linear": args.linear, "setup": setup_of(model).describe(),
+              "cpu": cpu_name(), "best": best, "rounds": rounds, **conditions()}
+    if "preset" in best and "autoregressive" in best:
+        report["preset_over_ar"] = best["preset"]["tokens_per_second"] / best["autoregressive"]["tokens_per_second"]
+        print(f"preset over AR: {report['preset_over_ar']:.3f}")
+    emit(report)
+
+
+if __name__ == "__main__":
+    main()
