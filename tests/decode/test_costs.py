@@ -109,7 +109,7 @@ def test_beside_a_prefill_drafts_are_worth_what_their_rows_cost_in_a_plain_step(
     assert unsure.rate(1) == pytest.approx(0.4)
     row = costs.of(154) - costs.of(153)
     assert (4 + 0.4) / (costs.of(153) + row) > 4 / costs.of(153)  # the step's own rate would take it
-    assert 0.4 < 4 / costs.of(4) * row  # what its row's time gives in a plain step
+    assert 4 / costs.of(4) * row > 0.4  # what its row's time gives in a plain step
     assert draft_counts([(1, offer)], [150, 1, 1], costs) == [0]
     assert draft_counts([(1, chain)], [150, 1, 1], costs) == [4]
     assert draft_counts([(1, offer)], [1, 1, 1], costs) == [0]  # 4.4 tokens for 13.5 / 4 for 12
