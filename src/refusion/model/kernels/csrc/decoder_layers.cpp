@@ -806,6 +806,8 @@ Tensor exact_attention_rows(const Tensor& q, const Tensor& keys, const Tensor& v
     }
   }
   int64_t items = static_cast<int64_t>(tiles.size()) * kv_heads;  // (tile, g)
+  int64_t widest = 1;  // rows of the largest tile: what each thread's buffers hold
+  for (const auto& tile : tiles) widest = std::max(widest, tile.second);
   // the tile's rows: their masks in fp64, the columns each sees (first, seen), and the span they cover together
   struct TileRows {
     std::vector<double> masked;  // [rows, length]
@@ -819,10 +821,10 @@ Tensor exact_attention_rows(const Tensor& q, const Tensor& keys, const Tensor& v
       if (tr.first[k] < tr.seen[k]) tr.low = std::min(tr.low, tr.first[k]), tr.high = std::max(tr.high, tr.seen[k]);
     }
   };
-  at::parallel_for(0, items, std::max<int64_t>(1, grain / kTileRows), [&](int64_t begin, int64_t end) {
-    std::vector<double> dots(kTileRows * groups * length), block(kEntryRows * dim);
+  at::parallel_for(0, items, std::max<int64_t>(1, grain / widest), [&](int64_t begin, int64_t end) {
+    std::vector<double> dots(widest * groups * length), block(kEntryRows * dim);
     TileRows tr;
-    tr.masked.resize(mask ? kTileRows * length : 0);
+    tr.masked.resize(mask ? widest * length : 0);
     for (int64_t item = begin; item < end; ++item) {
       const auto& tile = tiles[item / kv_heads];
       int64_t g = item % kv_heads, b = query_rows[tile.first] / width;
@@ -862,10 +864,10 @@ Tensor exact_attention_rows(const Tensor& q, const Tensor& keys, const Tensor& v
   Tensor result = at::empty({count, heads * dim}, q.options().dtype(c10::CppTypeToScalarType<T>::value));
   const float* wd = weights.const_data_ptr<float>();
   T* od = result.mutable_data_ptr<T>();
-  at::parallel_for(0, items, std::max<int64_t>(1, grain / kTileRows), [&](int64_t begin, int64_t end) {
-    std::vector<double> w(kTileRows * groups * length), acc(kTileRows * groups * dim), block(kEntryRows * dim);
+  at::parallel_for(0, items, std::max<int64_t>(1, grain / widest), [&](int64_t begin, int64_t end) {
+    std::vector<double> w(widest * groups * length), acc(widest * groups * dim), block(kEntryRows * dim);
     TileRows tr;
-    tr.masked.resize(mask ? kTileRows * length : 0);
+    tr.masked.resize(mask ? widest * length : 0);
     for (int64_t item = begin; item < end; ++item) {
       const auto& tile = tiles[item / kv_heads];
       int64_t g = item % kv_heads, b = query_rows[tile.first] / width;
