@@ -110,20 +110,33 @@ def test_long_forwards_at_the_embedded_models_head_size(family, dtype, attention
              (torch.tensor([[5, 9, 11, 4, 7, 8], [6, 63, 63, 63, 12, 13]]), torch.tensor([[150 + i for i in range(6)],
               [90 + i for i in range(6)]]), torch.tensor([[0, 0, 0, 1, 1, 1], [0, 1, 1, 1, 2, 2]])),
              (torch.tensor([[21], [22]]), torch.tensor([[156], [96]]), torch.tensor([[0], [0]]))]
-    outs = []
-    for run in (native_run(model), python_run(model)):
-        cache = SlotCache(model.config.num_hidden_layers, "cpu", 64, attention_mask_dtype(model),
-                          kv_dtype=row_exact.cache_dtype(model))
-        for row in range(2):
-            cache.add_sequence(row)
-        logits = []
-        with torch.inference_mode():  # the cache moves entries made under it
-            for step_ids, step_positions, step_groups in steps:
-                mask = cache.begin_forward(step_groups, step_positions)
-                logits.append(run(step_ids, step_positions, mask, cache, step_ids.shape[1]))
+    assert_same(two_row_steps(model, native_run(model), steps, 64),
+                two_row_steps(model, python_run(model), steps, 64))
+
+
+def two_row_steps(model, run, steps, capacity: int, ragged: bool = False) -> list[torch.Tensor]:
+    """The logits of `steps` ((ids, positions, groups) of two rows each) through `run` over one cache; `ragged`:
+    each forward over its real rows alone (`compact.Ragged`), its tokens committed after it."""
+    cache = SlotCache(model.config.num_hidden_layers, "cpu", capacity, attention_mask_dtype(model),
+                      kv_dtype=row_exact.cache_dtype(model))
+    for row in range(2):
+        cache.add_sequence(row)
+    logits = []
+    with torch.inference_mode():  # the cache moves entries made under it
+        for ids, positions, groups in steps:
+            width = ids.shape[1]
+            if not ragged:
+                mask = cache.begin_forward(groups, positions)
+                logits.append(run(ids, positions, mask, cache, width))
                 cache.end_forward()
-        outs.append(logits)
-    assert_same(*outs)
+                continue
+            counts = (groups != PADDING).sum(1).tolist()
+            mask = cache.begin_forward(groups, positions, counts=counts)
+            logits += run(ids, positions, mask, cache, width, Ragged.of(counts, counts, width, "cpu"))[0].split(counts)
+            cache.end_forward()
+            for row, n in enumerate(counts):
+                cache.commit(row, positions[row, width - n:])
+    return logits
 
 
 @pytest.mark.parametrize("attention", [row_exact.EXACT_ATTENTION, row_exact.EXACT_HALF_ATTENTION])
@@ -140,25 +153,8 @@ def test_exact_attention_over_the_real_rows_of_a_wide_padded_forward(attention):
               torch.stack([torch.zeros(70, dtype=torch.long), torch.cat([padding, torch.zeros(1, dtype=torch.long)])])),
              (torch.tensor([[21, 22, 23], [0, 0, 24]]), torch.tensor([[70, 71, 72], [0, 0, 1]]),
               torch.tensor([[0, 0, 0], [PADDING, PADDING, 0]]))]
-    outs = []
-    for run in (native_run(model), python_run(model)):
-        cache = SlotCache(model.config.num_hidden_layers, "cpu", 160, attention_mask_dtype(model),
-                          kv_dtype=row_exact.cache_dtype(model))
-        for row in range(2):
-            cache.add_sequence(row)
-        logits = []
-        with torch.inference_mode():
-            for ids, positions, groups in steps:
-                counts = (groups != PADDING).sum(1).tolist()
-                width = ids.shape[1]
-                mask = cache.begin_forward(groups, positions, counts=counts)
-                logits += run(ids, positions, mask, cache, width, Ragged.of(counts, counts, width, "cpu"))[0].split(
-                    counts)
-                cache.end_forward()
-                for row, n in enumerate(counts):
-                    cache.commit(row, positions[row, width - n:])
-        outs.append(logits)
-    assert_same(*outs)
+    assert_same(two_row_steps(model, native_run(model), steps, 160, ragged=True),
+                two_row_steps(model, python_run(model), steps, 160, ragged=True))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])

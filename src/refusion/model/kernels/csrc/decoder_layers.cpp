@@ -808,55 +808,61 @@ Tensor exact_attention_rows(const Tensor& q, const Tensor& keys, const Tensor& v
   int64_t items = static_cast<int64_t>(tiles.size()) * kv_heads;  // (tile, g)
   int64_t widest = 1;  // rows of the largest tile: what each thread's buffers hold
   for (const auto& tile : tiles) widest = std::max(widest, tile.second);
-  // the tile's rows: their masks in fp64, the columns each sees (first, seen), and the span they cover together
-  struct TileRows {
-    std::vector<double> masked;  // [rows, length]
+  // a thread's scratch for one (tile, key head) at a time: the tile's rows' masks in fp64, the columns each sees
+  // (first, seen) and the span they cover together; per row and query head a value per column (scores, then
+  // weights), its output sums, and a block of entries
+  struct Scratch {
+    std::vector<double> masked, columns, sums, block;  // [rows, length], [rows, groups, length], [rows, groups, dim]
     int64_t first[kTileRows], seen[kTileRows], low = 0, high = 0;
   };
-  auto tile_rows = [&](const std::pair<int64_t, int64_t>& tile, TileRows& tr) {
-    tr.low = length, tr.high = 0;
-    for (int64_t k = 0; k < tile.second; ++k) {
-      int64_t bt = query_rows[tile.first + k];
-      mask_row(bt / width, bt % width, tr.masked.data() + k * length, tr.first[k], tr.seen[k]);
-      if (tr.first[k] < tr.seen[k]) tr.low = std::min(tr.low, tr.first[k]), tr.high = std::max(tr.high, tr.seen[k]);
-    }
-  };
-  at::parallel_for(0, items, std::max<int64_t>(1, grain / widest), [&](int64_t begin, int64_t end) {
-    std::vector<double> dots(widest * groups * length), block(kEntryRows * dim);
-    TileRows tr;
-    tr.masked.resize(mask ? widest * length : 0);
-    for (int64_t item = begin; item < end; ++item) {
-      const auto& tile = tiles[item / kv_heads];
-      int64_t g = item % kv_heads, b = query_rows[tile.first] / width;
-      tile_rows(tile, tr);
-      const KV* head_keys = kd + (b * kv_heads + g) * capacity * dim;
-      for (int64_t j0 = tr.low; j0 < tr.high; j0 += kEntryRows) {
-        int64_t n = std::min(kEntryRows, tr.high - j0);
-        const double* k = entry_rows(head_keys, j0, n, dim, block.data());
-        for (int64_t r = 0; r < tile.second; ++r) {  // each row's keys of this block
-          int64_t from = std::max(j0, tr.first[r]), to = std::min(j0 + n, tr.seen[r]);
-          if (from >= to) continue;
-          int64_t t = query_rows[tile.first + r] % width;
-          for (int64_t i = 0; i < groups; ++i) {
-            key_dots(qd + ((b * width + t) * heads + g * groups + i) * dim, k + (from - j0) * dim, to - from, dim,
-                     dots.data() + (r * groups + i) * length + from);
+  // body(tile, g, b, scratch) for every (tile, key head g) in parallel, the tile's rows (of sequence b) read
+  auto each_tile = [&](auto&& body) {
+    at::parallel_for(0, items, std::max<int64_t>(1, grain / widest), [&](int64_t begin, int64_t end) {
+      Scratch sc;
+      sc.masked.resize(mask ? widest * length : 0), sc.columns.resize(widest * groups * length);
+      sc.sums.resize(widest * groups * dim), sc.block.resize(kEntryRows * dim);
+      for (int64_t item = begin; item < end; ++item) {
+        const auto& tile = tiles[item / kv_heads];
+        sc.low = length, sc.high = 0;
+        for (int64_t k = 0; k < tile.second; ++k) {
+          int64_t bt = query_rows[tile.first + k];
+          mask_row(bt / width, bt % width, sc.masked.data() + k * length, sc.first[k], sc.seen[k]);
+          if (sc.first[k] < sc.seen[k]) {
+            sc.low = std::min(sc.low, sc.first[k]), sc.high = std::max(sc.high, sc.seen[k]);
           }
+        }
+        body(tile, item % kv_heads, query_rows[tile.first] / width, sc);
+      }
+    });
+  };
+  each_tile([&](const std::pair<int64_t, int64_t>& tile, int64_t g, int64_t b, Scratch& sc) {
+    const KV* head_keys = kd + (b * kv_heads + g) * capacity * dim;
+    for (int64_t j0 = sc.low; j0 < sc.high; j0 += kEntryRows) {
+      int64_t n = std::min(kEntryRows, sc.high - j0);
+      const double* k = entry_rows(head_keys, j0, n, dim, sc.block.data());
+      for (int64_t r = 0; r < tile.second; ++r) {  // each row's keys of this block
+        int64_t from = std::max(j0, sc.first[r]), to = std::min(j0 + n, sc.seen[r]);
+        if (from >= to) continue;
+        int64_t t = query_rows[tile.first + r] % width;
+        for (int64_t i = 0; i < groups; ++i) {
+          key_dots(qd + ((b * width + t) * heads + g * groups + i) * dim, k + (from - j0) * dim, to - from, dim,
+                   sc.columns.data() + (r * groups + i) * length + from);
         }
       }
-      for (int64_t r = 0; r < tile.second; ++r) {
-        const double* masked = mask ? tr.masked.data() + r * length : nullptr;
-        for (int64_t i = 0; i < groups; ++i) {
-          float* out = sd + ((tile.first + r) * heads + g * groups + i) * span;
-          const double* head_dots = dots.data() + (r * groups + i) * length;
-          int64_t n = 0;  // the columns the row sees, in order, at the front
-          for (int64_t j = tr.first[r]; j < tr.seen[r]; ++j) {
-            if (mask && masked[j] <= lowest) continue;
-            double score = head_dots[j] * scaling;
-            if (mask) score = score + masked[j];
-            out[n++] = static_cast<float>(score);
-          }
-          for (int64_t j = n; j < span; ++j) out[j] = kFill;
+    }
+    for (int64_t r = 0; r < tile.second; ++r) {
+      const double* masked = mask ? sc.masked.data() + r * length : nullptr;
+      for (int64_t i = 0; i < groups; ++i) {
+        float* out = sd + ((tile.first + r) * heads + g * groups + i) * span;
+        const double* head_dots = sc.columns.data() + (r * groups + i) * length;
+        int64_t n = 0;  // the columns the row sees, in order, at the front
+        for (int64_t j = sc.first[r]; j < sc.seen[r]; ++j) {
+          if (mask && masked[j] <= lowest) continue;
+          double score = head_dots[j] * scaling;
+          if (mask) score = score + masked[j];
+          out[n++] = static_cast<float>(score);
         }
+        for (int64_t j = n; j < span; ++j) out[j] = kFill;
       }
     }
   });
@@ -864,44 +870,36 @@ Tensor exact_attention_rows(const Tensor& q, const Tensor& keys, const Tensor& v
   Tensor result = at::empty({count, heads * dim}, q.options().dtype(c10::CppTypeToScalarType<T>::value));
   const float* wd = weights.const_data_ptr<float>();
   T* od = result.mutable_data_ptr<T>();
-  at::parallel_for(0, items, std::max<int64_t>(1, grain / widest), [&](int64_t begin, int64_t end) {
-    std::vector<double> w(widest * groups * length), acc(widest * groups * dim), block(kEntryRows * dim);
-    TileRows tr;
-    tr.masked.resize(mask ? widest * length : 0);
-    for (int64_t item = begin; item < end; ++item) {
-      const auto& tile = tiles[item / kv_heads];
-      int64_t g = item % kv_heads, b = query_rows[tile.first] / width;
-      tile_rows(tile, tr);
-      for (int64_t r = 0; r < tile.second; ++r) {
-        const double* masked = mask ? tr.masked.data() + r * length : nullptr;
-        for (int64_t i = 0; i < groups; ++i) {  // each seen column's weight back at its column, .to(dtype).double()
-          const float* weights_row = wd + ((tile.first + r) * heads + g * groups + i) * span;
-          double* head_w = w.data() + (r * groups + i) * length;
-          int64_t n = 0;
-          for (int64_t j = tr.first[r]; j < tr.seen[r]; ++j) {
-            head_w[j] = mask && masked[j] <= lowest ? 0.0 : static_cast<double>(narrow<T>(weights_row[n++]));
-          }
+  each_tile([&](const std::pair<int64_t, int64_t>& tile, int64_t g, int64_t b, Scratch& sc) {
+    for (int64_t r = 0; r < tile.second; ++r) {
+      const double* masked = mask ? sc.masked.data() + r * length : nullptr;
+      for (int64_t i = 0; i < groups; ++i) {  // each seen column's weight back at its column, .to(dtype).double()
+        const float* weights_row = wd + ((tile.first + r) * heads + g * groups + i) * span;
+        double* head_w = sc.columns.data() + (r * groups + i) * length;
+        int64_t n = 0;
+        for (int64_t j = sc.first[r]; j < sc.seen[r]; ++j) {
+          head_w[j] = mask && masked[j] <= lowest ? 0.0 : static_cast<double>(narrow<T>(weights_row[n++]));
         }
       }
-      std::fill(acc.begin(), acc.end(), 0.0);
-      const KV* head_values = vd + (b * kv_heads + g) * capacity * dim;
-      for (int64_t j0 = tr.low; j0 < tr.high; j0 += kEntryRows) {  // the columns outside weigh 0: they add nothing
-        int64_t n = std::min(kEntryRows, tr.high - j0);
-        const double* v = entry_rows(head_values, j0, n, dim, block.data());
-        for (int64_t r = 0; r < tile.second; ++r) {  // each row's sums go on in column order, block after block
-          int64_t from = std::max(j0, tr.first[r]), to = std::min(j0 + n, tr.seen[r]);
-          if (from >= to) continue;
-          for (int64_t i = 0; i < groups; ++i) {
-            add_weighted_values(w.data() + (r * groups + i) * length + from, v + (from - j0) * dim, to - from, dim,
-                                acc.data() + (r * groups + i) * dim);
-          }
-        }
-      }
-      for (int64_t r = 0; r < tile.second; ++r) {
+    }
+    std::fill(sc.sums.begin(), sc.sums.end(), 0.0);
+    const KV* head_values = vd + (b * kv_heads + g) * capacity * dim;
+    for (int64_t j0 = sc.low; j0 < sc.high; j0 += kEntryRows) {  // the columns outside weigh 0: they add nothing
+      int64_t n = std::min(kEntryRows, sc.high - j0);
+      const double* v = entry_rows(head_values, j0, n, dim, sc.block.data());
+      for (int64_t r = 0; r < tile.second; ++r) {  // each row's sums go on in column order, block after block
+        int64_t from = std::max(j0, sc.first[r]), to = std::min(j0 + n, sc.seen[r]);
+        if (from >= to) continue;
         for (int64_t i = 0; i < groups; ++i) {
-          T* out = od + (tile.first + r) * heads * dim + (g * groups + i) * dim;
-          for (int64_t d = 0; d < dim; ++d) out[d] = narrow64<T>(acc[(r * groups + i) * dim + d]);
+          add_weighted_values(sc.columns.data() + (r * groups + i) * length + from, v + (from - j0) * dim, to - from,
+                              dim, sc.sums.data() + (r * groups + i) * dim);
         }
+      }
+    }
+    for (int64_t r = 0; r < tile.second; ++r) {
+      for (int64_t i = 0; i < groups; ++i) {
+        T* out = od + (tile.first + r) * heads * dim + (g * groups + i) * dim;
+        for (int64_t d = 0; d < dim; ++d) out[d] = narrow64<T>(sc.sums[(r * groups + i) * dim + d]);
       }
     }
   });
