@@ -2,15 +2,15 @@
 
 `refusion serve` keeps up to `--max-batch-size` sequences in one `Decoder` and steps them together, admitting a
 waiting request as soon as one finishes, so most steps are one-token rows of the live sequences and some carry a new
-request's whole prompt beside them. This benchmark runs that loop (`Decoder.add` when a sequence finishes, `Decoder.step`
-otherwise) over the serving benchmark's held-out prompts (`serving.held_out_prompts`) with `--live` sequences at a
-time, without HTTP, streaming or the event loop, and reports for each strategy (AR and the preset's exact mode, taking
-turns `--rounds` times; each strategy's fastest round counts):
+request's whole prompt beside them. This benchmark runs that loop (`Decoder.add` when a sequence finishes,
+`Decoder.step` otherwise) over the serving benchmark's held-out prompts (`serving.held_out_prompts`) with `--live`
+sequences at a time, without HTTP, streaming or the event loop, and reports for each strategy (AR and the preset's
+exact mode, taking turns `--rounds` times; each strategy's fastest round counts):
 
 * output tokens/s over the whole run;
 * steps, forward milliseconds per step, apart for steps that prefill a prompt and steps that do not;
-* host milliseconds per step: the step's work outside the forward (the programs, drafting and its decision, sampling,
-  the cache's bookkeeping).
+* host milliseconds per step: the step's work outside the forward (the programs, drafting and its decision,
+  sampling, the cache's bookkeeping).
 
 What the server adds on top of these numbers is its own (`serving.py --library` compares it with the library at one
 client). Ends with one JSON line.
@@ -29,6 +29,7 @@ from serving import held_out_prompts
 
 import refusion
 from refusion.model.setup import setup_of
+from refusion.serve.scheduler import DECODER_CAPACITY
 
 
 def run_batch(model, prompts: list[list[int]], live: int, strategy: str, max_tokens: int) -> dict:
@@ -40,7 +41,7 @@ def run_batch(model, prompts: list[list[int]], live: int, strategy: str, max_tok
     chosen = {"max_new_tokens": max_tokens, **({} if strategy == "preset" else {"strategy": strategy})}
     cfg = layered_config(default_config(setup).to_dict(), explicit=chosen)
     tokens = setup.special_tokens.for_decoding(cfg)
-    decoder = Decoder(model, capacity=512, setup=setup)  # the server's default decoder capacity
+    decoder = Decoder(model, capacity=DECODER_CAPACITY, setup=setup)  # as the server's scheduler starts it
     waiting = list(prompts)
 
     def admit() -> None:

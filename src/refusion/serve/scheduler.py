@@ -132,6 +132,8 @@ class Draining(SchedulerStopped):
     """The server is shutting down and admits no new job (the server answers 503)."""
 
 
+DECODER_CAPACITY = 512
+"""Cache columns the scheduler's decoder starts with (it grows, and compacts, as prompts come and go)."""
 SHUTTING_DOWN = "shutting_down"
 DECODING_FAILED = "decoding_failed"
 
@@ -153,8 +155,9 @@ class SchedulerObserver:
 class Scheduler:
     """Owns a `Decoder` in a dedicated thread; see the module docstring."""
 
-    def __init__(self, model, tokenizer, *, max_batch_size: int = 8, max_queue: int = 64, decoder_capacity: int = 512,
-                 observer: SchedulerObserver | None = None, prefix_cache: PrefixCache | None = None):
+    def __init__(self, model, tokenizer, *, max_batch_size: int = 8, max_queue: int = 64,
+                 decoder_capacity: int = DECODER_CAPACITY, observer: SchedulerObserver | None = None,
+                 prefix_cache: PrefixCache | None = None):
         """`prefix_cache`: where prompt prefixes' KV entries are kept across requests (`decode.prefix_cache`; it
         outlives a decoder rebuilt after a failed step); None: every prompt is prefilled whole."""
         if max_batch_size < 1 or max_queue < 0:
