@@ -7,7 +7,9 @@ llama.cpp's `llama-server` on the base model's own GGUF file (`--llama-server BI
 default, `-np` slots as many as refusion's batch rows; `--llama-no-repack` where repacking dies). At each concurrency (`--clients`, default 1, 4,
 16, 64), every client sends requests from a shared queue of prompts until `--requests` (default: max(2 x clients,
 12)) are answered; at each level the refusion variants and then llama-server take their turns (the refusion server
-stays up, idle, while llama-server runs), so that the machine's drift between levels hits every server alike.
+stays up, idle, while llama-server runs), so that the machine's drift between levels hits every server alike;
+`--rounds N` repeats those turns N times at each level and keeps each server's fastest round (every round's tokens/s
+beside it), which tells a server's own gap from the drift between two windows.
 Every server (each llama-server start, each refusion variant) is first warmed on `--warm-up` (12) requests at one
 client over the last prompts: a refusion server's first pass over new prompts ran ~8 % slower than its later ones.
 Answers end at EOS or `--max-tokens`. Every level resends the same prompts, so the refusion server runs without its
@@ -34,7 +36,7 @@ Two prefix-cache workloads (`--workload`), each against two servers in turn, wit
     python benchmarks/serving.py --workload system-prompt [--system-tokens 1000] [--requests 32]
 
 With `--then TREE` (a checkout of an earlier commit: `git worktree add TREE COMMIT`), a prefix-cache workload runs
-against this tree's server and TREE's, both with the cache, taking turns `--rounds` (2) times: TTFT by turn of each,
+against this tree's server and TREE's, both with the cache, taking turns `--rounds` times (default 2): TTFT by turn of each,
 the earlier over this one (each turn's fastest p50), and each tree's last turn over its first.
 
 Ends with one JSON line.
@@ -329,7 +331,7 @@ def prefix_workload(args, prompts: list[str]) -> dict:
     and an earlier tree's, both with the cache, taking turns `--rounds` times): each one's results (a list of them,
     one per round, with `--then`)."""
     results = {}
-    servers = ([("now", args.prefix_cache_mb, None), ("then", args.prefix_cache_mb, args.then)] * args.rounds
+    servers = ([("now", args.prefix_cache_mb, None), ("then", args.prefix_cache_mb, args.then)] * (args.rounds or 2)
                if args.then else [("prefix_cache", args.prefix_cache_mb, None), ("no_prefix_cache", 0, None)])
     with tempfile.TemporaryDirectory() as workdir:
         model = ("--model", model_path(args.model, workdir)) if args.model else ()
@@ -430,10 +432,13 @@ def main() -> None:
     parser.add_argument("--then", default=None,
                         help="prefix-cache workloads: another checkout (git worktree add TREE COMMIT) whose server "
                              "takes turns with this tree's, both with the prefix cache, instead of the uncached one")
-    parser.add_argument("--rounds", type=int, default=2, help="--then: turns each tree takes")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="turns each server takes at each level (default 1), or each tree with --then (2)")
     args = parser.parse_args()
     if args.then is not None and not (Path(args.then) / "src" / "refusion").is_dir():
         parser.error(f"--then {args.then}: no src/refusion there (a checkout: git worktree add TREE COMMIT)")
+    if args.rounds is not None and args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: must be >= 1")
     exit_on_sigterm()
     levels = [int(c) for c in args.clients.split(",")]
     prompts = held_out_prompts(args.per_task)
@@ -461,12 +466,17 @@ def main() -> None:
             warm_up(base, prompts, args.warm_up, args.max_tokens, extra)
         for clients in levels:  # every server's turn at a level, one after another (the refusion server idle)
             requests = args.requests or max(2 * clients, 12)
-            for name, extra in variants.items():
-                time.sleep(0.5)
-                results[name].append(show(name, asyncio.run(run_level(base, prompts, clients, requests,
-                                                                      args.max_tokens, extra))))
-            for name, spec in llamas:
-                results[name].append(llama_level(args, name, spec, prompts, clients, requests))
+            rounds: dict[str, list[dict]] = {name: [] for name in results if name != "library"}
+            for _ in range(args.rounds or 1):
+                for name, extra in variants.items():
+                    time.sleep(0.5)
+                    rounds[name].append(show(name, asyncio.run(run_level(base, prompts, clients, requests,
+                                                                         args.max_tokens, extra))))
+                for name, spec in llamas:
+                    rounds[name].append(llama_level(args, name, spec, prompts, clients, requests))
+            for name, runs in rounds.items():  # each server's fastest round, the others beside it
+                best = max(runs, key=lambda r: r["output_tokens_per_second"])
+                results[name].append({**best, "rounds": [r["output_tokens_per_second"] for r in runs]})
         if args.library:
             results["library"] = against_library(base, prompts, args.requests or 12, args.max_tokens, args.threads,
                                                  args.linear, args.dtype)

@@ -65,7 +65,7 @@ def test_add_and_remove_sequences():
     forward(cache, [[0, 0], [0, 0], [0, 0]], [[0, 1], [5, 6], [7, 8]])
     cache.remove_sequences([1])
     assert cache.row_of == {0: 0, 2: 1} and cache.batch_size == 2
-    assert cache.pos[:, :2].tolist() == [[0, 1], [7, 8]]  # row 2's entries moved up with it
+    assert cache.pos[:, :2].tolist() == [[0, 1], [7, 8]]  # the last row's entries moved into the freed row
     assert_kv_follows_metadata(cache)
     cache.add_sequence(3)  # joins with an empty row
     cache.add_sequence(4)
@@ -77,10 +77,49 @@ def test_add_and_remove_sequences():
     assert_kv_follows_metadata(cache)
     cache.add_sequence(5)
     cache.remove_sequences([0, 5])  # removing rows the buffers have not caught up with yet
-    assert cache.row_of == {2: 0, 3: 1, 4: 2} and cache.keys[0].shape[0] == 3
+    assert cache.row_of == {4: 0, 2: 1, 3: 2} and cache.keys[0].shape[0] == 3  # the last live row moved into row 0
+    assert cache.pos[:, :4].tolist() == [[0, 0, 0, 1], [7, 8, 9, 10], [0, 0, 0, 1]]
     assert_kv_follows_metadata(cache)
     cache.remove_sequences([2, 3, 4])
     assert cache.batch_size == 0 and cache.used == 0
+
+
+def test_a_sequence_that_joins_takes_a_freed_row_without_copying_the_buffers():
+    cache = make_cache(3)
+    forward(cache, [[0, 0], [0, 0], [0, 0]], [[0, 1], [5, 6], [7, 8]])
+    for s, positions in enumerate([[0, 1], [5, 6], [7, 8]]):
+        cache.commit(s, torch.tensor(positions))
+    buffers = [k.data_ptr() for k in cache.keys]
+    cache.remove_sequences([0])
+    cache.add_sequence(3)
+    mask = forward(cache, [[0], [0], [0]], [[9], [7], [0]])
+    assert [k.data_ptr() for k in cache.keys] == buffers  # the same storage: nothing was copied to make room
+    assert cache.row_of == {2: 0, 1: 1, 3: 2}
+    assert seen(mask, 2) == [[0, 0, 1]]  # the joining row sees none of the entries its row held before
+    assert live(cache, 2) == [(0, 0)] and live(cache, 0) == [(CONTEXT, 7), (CONTEXT, 8), (0, 9)]
+    assert_kv_follows_metadata(cache)
+
+
+def test_removing_several_rows_keeps_every_other_sequence_s_entries():
+    cache = make_cache(7)
+    forward(cache, [[0]] * 7, [[10 * s] for s in range(7)])
+    cache.remove_sequences([5, 0, 3, 6])  # the last row and rows the moves fill in turn
+    assert sorted(cache.row_of) == [1, 2, 4] and sorted(cache.row_of.values()) == [0, 1, 2]
+    assert all(cache.pos[row, 0] == 10 * s for s, row in cache.row_of.items())
+    assert_kv_follows_metadata(cache)
+
+
+def test_rows_written_in_a_step_are_freed_and_filled_outside_one():
+    cache = make_cache(2)
+    with torch.inference_mode():  # as the decoder's step: the buffers are inference tensors
+        forward(cache, [[0, 0], [0, 0]], [[0, 1], [0, 1]])
+        cache.commit(0, torch.tensor([0, 1]))
+        keys, values = cache.context_entries(0, 0, 2)
+    cache.remove_sequences([0])  # a client that went away, between steps
+    cache.add_sequence(2)  # a request that joins with a cached prompt prefix
+    cache.add_context(2, torch.tensor([0, 1]), keys, values)
+    assert live(cache, 1) == [(CONTEXT, 0), (CONTEXT, 1)]
+    assert_kv_follows_metadata(cache)
 
 
 def test_a_sequence_gets_one_row():

@@ -9,7 +9,8 @@ ReFusion needs two things from a cache that an ordinary left-to-right cache does
 * during parallel completion several rows (one per selected slot) share the context, and each row
   keeps KV computed against the context and its own prefix only.
 
-Both are served by one preallocated buffer per layer, ``[batch, kv_heads, capacity, head_dim]``, and two
+Both are served by one preallocated buffer per layer, ``[batch, kv_heads, capacity, head_dim]`` (the first rows of a
+storage that keeps the rows finished sequences left, for the next to join: `remove_sequences`), and two
 metadata tensors per column: ``owner`` (EMPTY, CONTEXT, or the group id of a pending entry) and ``pos``
 (the entry's position id). A query of group g sees every CONTEXT entry, the pending entries of group g
 written before it, and itself (a padding query, which only fills a batch's rows to the widest, sees its row's
@@ -147,8 +148,11 @@ class SlotCache:
         self.device = torch.device(device)
         self.capacity = capacity
         self.mask_dtype = mask_dtype  # None: boolean mask (sdpa); a float dtype: additive mask (eager)
-        self.keys: list[torch.Tensor | None] = [None] * num_layers  # [B, H, C, D]
+        self.keys: list[torch.Tensor | None] = [None] * num_layers  # [B, H, C, D]: the first B rows of _key_rows
         self.values: list[torch.Tensor | None] = [None] * num_layers
+        # the storage behind them, [R, H, C, D] with R >= B: the rows finished sequences left wait for the next to join
+        self._key_rows: list[torch.Tensor | None] = [None] * num_layers
+        self._value_rows: list[torch.Tensor | None] = [None] * num_layers
         self.owner = torch.empty(0, capacity, dtype=torch.long, device=self.device)  # [B, C]
         self.pos = torch.empty(0, capacity, dtype=torch.long, device=self.device)  # [B, C]
         self.used = 0  # columns written so far (all rows)
@@ -190,39 +194,74 @@ class SlotCache:
         # the KV buffers get the new row at their next use (_kv_rows): sequences that join together cost one copy
 
     def _kv_rows(self) -> None:
-        """Give the KV buffers a (zero) row for every sequence added since they were last touched."""
+        """Give the KV buffers a row for every sequence added since they were last touched: a row a finished sequence
+        left (its old entries stay behind EMPTY columns, which no query sees), else a new zero row. In a continuous
+        batch, where one sequence joins as another leaves, a join copies nothing."""
         grown = False
         for i, k in enumerate(self.keys):
-            missing = self.batch_size - k.shape[0] if k is not None else 0
+            if k is None or k.shape[0] == self.batch_size:
+                continue
+            missing = self.batch_size - self._key_rows[i].shape[0]
             if missing > 0:
-                self.keys[i] = torch.cat([k, k.new_zeros(missing, *k.shape[1:])])
-                v = self.values[i]
-                self.values[i] = torch.cat([v, v.new_zeros(missing, *v.shape[1:])])
+                k, v = self._key_rows[i], self._value_rows[i]
+                self._key_rows[i] = torch.cat([k, k.new_zeros(missing, *k.shape[1:])])
+                self._value_rows[i] = torch.cat([v, v.new_zeros(missing, *v.shape[1:])])
                 grown = True
+            self.keys[i], self.values[i] = self._key_rows[i][:self.batch_size], self._value_rows[i][:self.batch_size]
         if grown:  # the buffers are new tensors
             self._mark_static()
 
+    def _set_storage(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """New KV storage for a layer, one row per sequence (no row to spare)."""
+        self.keys[layer] = self._key_rows[layer] = keys
+        self.values[layer] = self._value_rows[layer] = values
+
+    def _writing_between_steps(self):
+        """The mode for writing the buffers in place outside a forward (a row freed when a client goes away, a cached
+        prompt prefix written as a request joins): inference mode where a step (which runs in it) made them."""
+        made = next((k for k in self.keys if k is not None), None)
+        return torch.inference_mode(made is not None and made.is_inference())
+
     def remove_sequences(self, seq_ids: list[int]) -> None:
-        """Free the rows of finished sequences (they cost no more compute)."""
+        """Free the rows of finished sequences (they cost no more compute): the last row moves into each freed one, so
+        a leave copies one row's entries per layer, and the freed rows stay allocated for the next sequences."""
         if not seq_ids:
             return
+        with self._writing_between_steps():
+            self._remove_rows(seq_ids)
+
+    def _remove_rows(self, seq_ids: list[int]) -> None:
         self._kv_rows()
-        gone = {self.row_of.pop(s) for s in seq_ids}
+        gone = sorted((self.row_of.pop(s) for s in seq_ids), reverse=True)  # rows after each are live when it is
         for s in seq_ids:
             self.committed.pop(s)
             self._pending_count.pop(s)
         self._dirty = True  # the columns only they used are free
-        keep = [r for r in range(self.batch_size) if r not in gone]
-        index = torch.tensor(keep, dtype=torch.long, device=self.device)
-        self.owner, self.pos = self.owner[index], self.pos[index]
+        seq_at = {row: s for s, row in self.row_of.items()}
+        last = self.batch_size - 1
+        for row in gone:
+            if row != last:
+                self._move_row(last, row)
+                seq_at[row] = seq_at.pop(last)
+                self.row_of[seq_at[row]] = row
+            last -= 1
+        rows = len(self.row_of)
+        self.owner, self.pos = self.owner[:rows], self.pos[:rows]
         for i, k in enumerate(self.keys):
             if k is not None:
-                self.keys[i], self.values[i] = k[index], self.values[i][index]
+                self.keys[i], self.values[i] = self._key_rows[i][:rows], self._value_rows[i][:rows]
         self._mark_static()
-        order = sorted(self.row_of, key=self.row_of.get)
-        self.row_of = {s: r for r, s in enumerate(order)}
         if not self.row_of:
             self.used, self._dirty, self._holes = 0, False, False
+
+    def _move_row(self, source: int, target: int) -> None:
+        """Copy row `source`'s entries (metadata and every layer's keys and values) over row `target`."""
+        self.owner[target] = self.owner[source]
+        self.pos[target] = self.pos[source]
+        for k, v in zip(self.keys, self.values):
+            if k is not None:
+                k[target, :, :self.used] = k[source, :, :self.used]
+                v[target, :, :self.used] = v[source, :, :self.used]
 
     # ----------------------------------------------------------------------------- forward
     def begin_forward(self, groups: torch.Tensor, positions: torch.Tensor, lower_upto: torch.Tensor | None = None,
@@ -301,8 +340,9 @@ class SlotCache:
             return
         heads, head_dim, dtype = self.static
         shape = (self.batch_size, heads, self.capacity, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
+        for layer in range(self.num_layers):
+            self._set_storage(layer, torch.zeros(shape, dtype=dtype, device=self.device),
+                              torch.zeros(shape, dtype=dtype, device=self.device))
         self._mark_static()
 
     def _mark_static(self) -> None:
@@ -343,8 +383,8 @@ class SlotCache:
         """Zeroed storage for a layer's keys and values, in `kv_dtype` (else the dtype the layer writes)."""
         shape = (self.batch_size, kv_heads, self.capacity)
         kept = self.kv_dtype or dtype
-        self.keys[layer] = torch.zeros(*shape, key_dim, dtype=kept, device=self.device)
-        self.values[layer] = torch.zeros(*shape, value_dim, dtype=kept, device=self.device)
+        self._set_storage(layer, torch.zeros(*shape, key_dim, dtype=kept, device=self.device),
+                          torch.zeros(*shape, value_dim, dtype=kept, device=self.device))
 
     # ----------------------------------------------------------------------------- space
     def _make_room(self, width: int) -> None:
@@ -409,11 +449,10 @@ class SlotCache:
         extra = capacity - self.capacity
         self.owner = torch.cat([self.owner, self.owner.new_full((self.batch_size, extra), EMPTY)], 1)
         self.pos = torch.cat([self.pos, self.pos.new_zeros(self.batch_size, extra)], 1)
-        for i, k in enumerate(self.keys):
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
             if k is not None:
-                self.keys[i] = torch.cat([k, k.new_zeros(k.shape[0], k.shape[1], extra, k.shape[3])], 2)
-                v = self.values[i]
-                self.values[i] = torch.cat([v, v.new_zeros(v.shape[0], v.shape[1], extra, v.shape[3])], 2)
+                self._set_storage(i, torch.cat([k, k.new_zeros(k.shape[0], k.shape[1], extra, k.shape[3])], 2),
+                                  torch.cat([v, v.new_zeros(v.shape[0], v.shape[1], extra, v.shape[3])], 2))
         self.capacity = capacity
         self._mark_static()
 
@@ -429,6 +468,11 @@ class SlotCache:
         if self.static:
             raise ValueError("a fixed-shape (compiled) cache takes no entries computed elsewhere")
         assert self._pending_width == 0, "add_context during a forward"
+        with self._writing_between_steps():
+            self._add_context(seq_id, positions, keys, values)
+
+    def _add_context(self, seq_id: int, positions: torch.Tensor, keys: list[torch.Tensor],
+                     values: list[torch.Tensor]) -> None:
         n = positions.numel()
         self._kv_rows()
         fresh = self.committed[seq_id] == 0 and self._pending_count[seq_id] == 0
