@@ -191,7 +191,7 @@ class SlotCache:
         new_meta = torch.full((1, self.capacity), EMPTY, dtype=torch.long, device=self.device)
         self.owner = torch.cat([self.owner, new_meta])
         self.pos = torch.cat([self.pos, torch.zeros_like(new_meta)])
-        # the KV buffers get the new row at their next use (_kv_rows): sequences that join together cost one copy
+        # the KV buffers get the new row at their next use (_kv_rows): a freed row, else one copy for all that join
 
     def _kv_rows(self) -> None:
         """Give the KV buffers a row for every sequence added since they were last touched: a row a finished sequence
