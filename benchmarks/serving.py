@@ -466,7 +466,7 @@ def main() -> None:
             warm_up(base, prompts, args.warm_up, args.max_tokens, extra)
         for clients in levels:  # every server's turn at a level, one after another (the refusion server idle)
             requests = args.requests or max(2 * clients, 12)
-            rounds: dict[str, list[dict]] = {name: [] for name in results if name != "library"}
+            rounds: dict[str, list[dict]] = {name: [] for name in results}
             for _ in range(args.rounds or 1):
                 for name, extra in variants.items():
                     time.sleep(0.5)

@@ -197,7 +197,7 @@ class SlotCache:
         """Give the KV buffers a row for every sequence added since they were last touched: a row a finished sequence
         left (its old entries stay behind EMPTY columns, which no query sees), else a new zero row. In a continuous
         batch, where one sequence joins as another leaves, a join copies nothing."""
-        grown = False
+        changed = False
         for i, k in enumerate(self.keys):
             if k is None or k.shape[0] == self.batch_size:
                 continue
@@ -206,9 +206,9 @@ class SlotCache:
                 k, v = self._key_rows[i], self._value_rows[i]
                 self._key_rows[i] = torch.cat([k, k.new_zeros(missing, *k.shape[1:])])
                 self._value_rows[i] = torch.cat([v, v.new_zeros(missing, *v.shape[1:])])
-                grown = True
             self.keys[i], self.values[i] = self._key_rows[i][:self.batch_size], self._value_rows[i][:self.batch_size]
-        if grown:  # the buffers are new tensors
+            changed = True
+        if changed:  # the buffers are new tensors (new views of the same storage, as remove_sequences makes)
             self._mark_static()
 
     def _set_storage(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
