@@ -12,15 +12,23 @@ stays up, idle, while llama-server runs), so that the machine's drift between le
 beside it), which tells a server's own gap from the drift between two windows.
 Every server (each llama-server start, each refusion variant) is first warmed on `--warm-up` (12) requests at one
 client over the last prompts: a refusion server's first pass over new prompts ran ~8 % slower than its later ones.
-Answers end at EOS or `--max-tokens`. Every level resends the same prompts, so the refusion server runs without its
-prefix cache (`--prefix-cache-mb 0`): each request prefills its whole prompt, as a new user's would (llama-server's
-slots keep only their own last prompt; the prefix cache has its own workloads below).
+Answers end at EOS or `--max-tokens`. Every level resends the same prompts, which a prompt cache answers from memory
+after their first pass, so by default neither server keeps one: the refusion server runs with `--prefix-cache-mb 0`
+and every request to llama-server says `"cache_prompt": false` (its slots otherwise reuse the KV of the prompt they
+last held: a resent prompt, or the chat template's system turn, is not prefilled again). Each request then prefills
+its whole prompt on both, as a new user's would. `--prompt-caches` keeps both servers' caches as they come (refusion
+serve's default prefix cache, llama-server's `cache_prompt`), and then each refusion variant takes each turn on a
+fresh server, warmed up first, as each llama-server turn is (one server's cache would carry a variant's prompts into
+the next one's turn). Every level reports the prompt tokens each server read
+from its cache (`usage.prompt_tokens_details.cached_tokens`, which both report). The prefix cache has its own
+workloads below.
 
 Prompts (`held_out_prompts`): GSM8K test from example 601, ARC-Challenge test from 401 and MBPP test ids from 411
 in `refusion eval`'s formats, with near-twins of the draft table's data (`refusion.eval.twins`) left out, and
 `FRESH_REQUESTS`, open-ended requests written for this benchmark: none was used to choose a setting or to train.
 
     python benchmarks/serving.py [--clients 1,4,16,64] [--llama-server PATH/llama-server] [--max-tokens 128]
+                                 [--prompt-caches]
 
 Two prefix-cache workloads (`--workload`), each against two servers in turn, with the prefix cache
 (`--prefix-cache-mb`, the default) and without it (0), on the same model (`--model`: the embedded one by default,
@@ -146,28 +154,46 @@ def warm_up(base: str, prompts: list[str], requests: int, max_tokens: int, extra
 
 
 def llama_level(args, name: str, spec: str, prompts: list[str], clients: int, requests: int) -> dict:
-    """One level against a fresh llama-server (`spec`: its speculation), warmed up first."""
+    """One level against a fresh llama-server (`spec`: its speculation), warmed up first; its prompt cache off
+    unless `--prompt-caches`."""
     port = free_port()
     llama = start_llama(args.llama_server, port, args.slots, args.llama_threads, 2048, spec, not args.llama_no_repack)
+    extra = {} if args.prompt_caches else {"cache_prompt": False}
     try:
         base = f"http://127.0.0.1:{port}"
-        warm_up(base, prompts, args.warm_up, args.max_tokens, {})
-        return show(name, asyncio.run(run_level(base, prompts, clients, requests, args.max_tokens, {})))
+        warm_up(base, prompts, args.warm_up, args.max_tokens, extra)
+        return show(name, asyncio.run(run_level(base, prompts, clients, requests, args.max_tokens, extra)))
     finally:
         llama.terminate()
         llama.wait()
+
+
+def refusion_turn(args, weights: tuple[str, ...], name: str, extra: dict, prompts: list[str], clients: int,
+                  requests: int) -> dict:
+    """One variant's turn at a level on a fresh refusion server with its prefix cache (`--prompt-caches`), warmed up
+    first: its cache holds the warm-up's prompts and the turn's own, as a fresh llama-server's slots do."""
+    port = free_port()
+    server = start_refusion(port, args.slots, args.threads, weights)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        warm_up(base, prompts, args.warm_up, args.max_tokens, extra)
+        return show(name, asyncio.run(run_level(base, prompts, clients, requests, args.max_tokens, extra)))
+    finally:
+        server.terminate()
+        server.wait()
 
 
 # ------------------------------------------------------------------------------------------ clients
 async def one_request(client: httpx.AsyncClient, url: str, prompt: str | list[dict], max_tokens: int,
                       extra: dict) -> dict:
     """Stream one chat completion of a user message (or of a whole conversation's messages): time to the first
-    text, each later text's arrival, tokens, prompt tokens, and the answer's text."""
+    text, each later text's arrival, tokens, prompt tokens (and those read from the server's prompt cache), and the
+    answer's text."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     body = {"model": "bench", "messages": messages, "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **extra}
     start = time.perf_counter()
-    arrivals, tokens, chunks, prompt_tokens, text = [], 0, 0, 0, []
+    arrivals, tokens, chunks, prompt_tokens, cached, text = [], 0, 0, 0, 0, []
     async with client.stream("POST", url, json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
@@ -183,10 +209,12 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str | list[di
                 text += [d for d in deltas if d]
             if chunk.get("usage"):
                 tokens, prompt_tokens = chunk["usage"]["completion_tokens"], chunk["usage"]["prompt_tokens"]
+                cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     latency = time.perf_counter() - start
     tokens = tokens or chunks
     ttft = arrivals[0] if arrivals else latency
-    return {"ttft": ttft, "latency": latency, "tokens": tokens, "prompt_tokens": prompt_tokens, "text": "".join(text),
+    return {"ttft": ttft, "latency": latency, "tokens": tokens, "prompt_tokens": prompt_tokens,
+            "cached_tokens": cached, "text": "".join(text),
             "itl": (latency - ttft) / (tokens - 1) if tokens > 1 else 0.0}
 
 
@@ -210,13 +238,16 @@ async def run_level(base: str, prompts: list[str], clients: int, requests: int, 
     tokens = sum(r["tokens"] for r in results)
     return {"clients": clients, "requests": len(results), "seconds": wall, "tokens": tokens,
             "output_tokens_per_second": tokens / wall, "mean_tokens": statistics.mean(r["tokens"] for r in results),
+            "prompt_tokens": sum(r["prompt_tokens"] for r in results),
+            "cached_prompt_tokens": sum(r["cached_tokens"] for r in results),
             "ttft": percentiles([r["ttft"] for r in results]), "itl": percentiles([r["itl"] for r in results])}
 
 
 def show(name: str, r: dict) -> dict:
     """Print one level's line as it is measured; returns the level."""
     print(f"{name:15s} clients {r['clients']:3d}: {r['output_tokens_per_second']:7.1f} tokens/s, "
-          f"TTFT p50 {r['ttft']['p50']:.2f} s, ITL p50 {1000 * r['itl']['p50']:.1f} ms", flush=True)
+          f"TTFT p50 {r['ttft']['p50']:.2f} s, ITL p50 {1000 * r['itl']['p50']:.1f} ms, prompt tokens cached "
+          f"{r['cached_prompt_tokens']} of {r['prompt_tokens']}", flush=True)
     return r
 
 
@@ -418,6 +449,9 @@ def main() -> None:
     parser.add_argument("--llama-specs", default="none,ngram-simple",
                         help="llama-server --spec-type of each llama variant (none: plain decoding; ngram-simple: "
                              "its prompt lookup)")
+    parser.add_argument("--prompt-caches", action="store_true",
+                        help="levels: both servers keep their prompt caches (refusion's prefix cache, llama-server's "
+                             "cache_prompt); default: neither, so every request prefills its whole prompt")
     parser.add_argument("--workload", choices=("levels", "chat", "system-prompt"), default="levels",
                         help="levels: the concurrency levels above; chat / system-prompt: a prefix-cache workload, "
                              "with the prefix cache and without it")
@@ -456,13 +490,13 @@ def main() -> None:
 
     port = free_port()
     weights = ("--linear", args.linear, *(("--dtype", args.dtype) if args.dtype else ()))
-    # no prefix cache: the levels resend the same prompts, which a cache would answer from memory after their
-    # first pass (llama-server's slots keep only their own last prompt)
+    # no prefix cache: the levels resend the same prompts, which a cache would answer from memory after their first
+    # pass (--prompt-caches: each variant's turn on a fresh server with its cache, `refusion_turn`)
     server = start_refusion(port, args.slots, args.threads, (*weights, "--prefix-cache-mb", "0"))
     base = f"http://127.0.0.1:{port}"
     try:
         info = httpx.get(f"{base}/v1/models", timeout=10).json()
-        for extra in variants.values():
+        for extra in variants.values() if not args.prompt_caches else ():
             warm_up(base, prompts, args.warm_up, args.max_tokens, extra)
         for clients in levels:  # every server's turn at a level, one after another (the refusion server idle)
             requests = args.requests or max(2 * clients, 12)
@@ -470,8 +504,11 @@ def main() -> None:
             for _ in range(args.rounds or 1):
                 for name, extra in variants.items():
                     time.sleep(0.5)
-                    rounds[name].append(show(name, asyncio.run(run_level(base, prompts, clients, requests,
-                                                                         args.max_tokens, extra))))
+                    if args.prompt_caches:
+                        rounds[name].append(refusion_turn(args, weights, name, extra, prompts, clients, requests))
+                    else:
+                        rounds[name].append(show(name, asyncio.run(run_level(base, prompts, clients, requests,
+                                                                             args.max_tokens, extra))))
                 for name, spec in llamas:
                     rounds[name].append(llama_level(args, name, spec, prompts, clients, requests))
             for name, runs in rounds.items():  # each server's fastest round, the others beside it
@@ -491,7 +528,7 @@ def main() -> None:
         ratios["server_over_library_at_1"] = results["library"]["server_over_library"]
     print(json.dumps({"benchmark": "serving", "model": info.get("data", [{}])[0], "prompts": len(prompts),
                       "max_tokens": args.max_tokens, "slots": args.slots, "threads": args.threads, "linear": args.linear, "dtype": args.dtype,
-                      "cpu": cpu_name(), "results": results, "ratios": ratios,
+                      "prompt_caches": args.prompt_caches, "cpu": cpu_name(), "results": results, "ratios": ratios,
                       "time": time.strftime("%Y-%m-%dT%H:%M:%S")}))
 
 
