@@ -82,6 +82,8 @@ FRESH_REQUESTS = (
     "Describe the taste of a lemon to someone who has never had one.",
 )
 """Open-ended requests written for this benchmark (none in any training set, none used to choose a setting)."""
+SERVED_NAME = "bench"
+"""The model name the refusion server is started with (`--served-model-name`) and every request asks for."""
 TASK_SLICES = (("gsm8k", 600), ("arc_challenge", 400), ("mbpp", 400))
 """(task, examples skipped): the parts of each test set no decision or training has touched (docs/BENCHMARKS.md)."""
 
@@ -123,7 +125,7 @@ def start_refusion(port: int, slots: int, threads: int | None, extra: tuple[str,
     """`refusion serve` on `port`; `extra`: more flags (--model, --prefix-cache-mb); `tree`: another checkout whose
     code serves (its `src` first on PYTHONPATH; None: this one's)."""
     cmd = ["refusion", "serve", "--port", str(port), "--max-batch-size", str(slots), "--max-queue", "512",
-           "--log-level", "warning", "--served-model-name", "bench", *extra]
+           "--log-level", "warning", "--served-model-name", SERVED_NAME, *extra]
     if threads is not None:
         cmd += ["--threads", str(threads)]
     env = None if tree is None else {**os.environ, "PYTHONPATH": str(Path(tree).resolve() / "src")}
@@ -190,7 +192,7 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str | list[di
     text, each later text's arrival, tokens, prompt tokens (and those read from the server's prompt cache), and the
     answer's text."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    body = {"model": "bench", "messages": messages, "max_tokens": max_tokens,
+    body = {"model": SERVED_NAME, "messages": messages, "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **extra}
     start = time.perf_counter()
     arrivals, tokens, chunks, prompt_tokens, cached, text = [], 0, 0, 0, 0, []
