@@ -155,6 +155,12 @@ def warm_up(base: str, prompts: list[str], requests: int, max_tokens: int, extra
     asyncio.run(run_level(base, warm, 1, max(requests, 1), max_tokens if requests else 16, extra))
 
 
+def warm_turn(args, base: str, name: str, extra: dict, prompts: list[str], clients: int, requests: int) -> dict:
+    """A fresh server's turn at a level: warmed up on `--warm-up` requests, then the level (its line printed)."""
+    warm_up(base, prompts, args.warm_up, args.max_tokens, extra)
+    return show(name, asyncio.run(run_level(base, prompts, clients, requests, args.max_tokens, extra)))
+
+
 def llama_level(args, name: str, spec: str, prompts: list[str], clients: int, requests: int) -> dict:
     """One level against a fresh llama-server (`spec`: its speculation), warmed up first; its prompt cache off
     unless `--prompt-caches`."""
@@ -162,9 +168,7 @@ def llama_level(args, name: str, spec: str, prompts: list[str], clients: int, re
     llama = start_llama(args.llama_server, port, args.slots, args.llama_threads, 2048, spec, not args.llama_no_repack)
     extra = {} if args.prompt_caches else {"cache_prompt": False}
     try:
-        base = f"http://127.0.0.1:{port}"
-        warm_up(base, prompts, args.warm_up, args.max_tokens, extra)
-        return show(name, asyncio.run(run_level(base, prompts, clients, requests, args.max_tokens, extra)))
+        return warm_turn(args, f"http://127.0.0.1:{port}", name, extra, prompts, clients, requests)
     finally:
         llama.terminate()
         llama.wait()
@@ -177,9 +181,7 @@ def refusion_turn(args, weights: tuple[str, ...], name: str, extra: dict, prompt
     port = free_port()
     server = start_refusion(port, args.slots, args.threads, weights)
     try:
-        base = f"http://127.0.0.1:{port}"
-        warm_up(base, prompts, args.warm_up, args.max_tokens, extra)
-        return show(name, asyncio.run(run_level(base, prompts, clients, requests, args.max_tokens, extra)))
+        return warm_turn(args, f"http://127.0.0.1:{port}", name, extra, prompts, clients, requests)
     finally:
         server.terminate()
         server.wait()
