@@ -19,9 +19,8 @@ last held: a resent prompt, or the chat template's system turn, is not prefilled
 its whole prompt on both, as a new user's would. `--prompt-caches` keeps both servers' caches as they come (refusion
 serve's default prefix cache, llama-server's `cache_prompt`), and then each refusion variant takes each turn on a
 fresh server, warmed up first, as each llama-server turn is (one server's cache would carry a variant's prompts into
-the next one's turn). Every level reports the prompt tokens each server read
-from its cache (`usage.prompt_tokens_details.cached_tokens`, which both report). The prefix cache has its own
-workloads below.
+the next one's turn). Every level reports the prompt tokens each server read from its cache
+(`usage.prompt_tokens_details.cached_tokens`, which both report). The prefix cache has its own workloads below.
 
 Prompts (`held_out_prompts`): GSM8K test from example 601, ARC-Challenge test from 401 and MBPP test ids from 411
 in `refusion eval`'s formats, with near-twins of the draft table's data (`refusion.eval.twins`) left out, and
