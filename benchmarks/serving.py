@@ -39,8 +39,10 @@ Two prefix-cache workloads (`--workload`), each against two servers in turn, wit
 * `system-prompt`: `--requests` (default 32) held-out questions behind one shared system prompt of about
   `--system-tokens` (1,000) tokens, `--concurrency` (4) clients. Reports TTFT p50 with and without the cache.
 
-    python benchmarks/serving.py --workload chat [--conversations 16] [--turns 8] [--max-tokens 64]
+    python benchmarks/serving.py --workload chat [--conversations 16] [--turns 8] [--max-tokens 128]
     python benchmarks/serving.py --workload system-prompt [--system-tokens 1000] [--requests 32]
+
+`--cached-only` runs the server with the cache alone (its TTFT by turn, no ratio).
 
 With `--then TREE` (a checkout of an earlier commit: `git worktree add TREE COMMIT`), a prefix-cache workload runs
 against this tree's server and TREE's, both with the cache, taking turns `--rounds` times (default 2): TTFT by turn of each,
@@ -366,7 +368,8 @@ def prefix_workload(args, prompts: list[str]) -> dict:
     one per round, with `--then`)."""
     results = {}
     servers = ([("now", args.prefix_cache_mb, None), ("then", args.prefix_cache_mb, args.then)] * (args.rounds or 2)
-               if args.then else [("prefix_cache", args.prefix_cache_mb, None), ("no_prefix_cache", 0, None)])
+               if args.then else [("prefix_cache", args.prefix_cache_mb, None),
+                                  *([] if args.cached_only else [("no_prefix_cache", 0, None)])])
     with tempfile.TemporaryDirectory() as workdir:
         model = ("--model", model_path(args.model, workdir)) if args.model else ()
         for name, megabytes, tree in servers:
@@ -416,6 +419,8 @@ def prefix_report(args, prompts: list[str]) -> dict:
     results = prefix_workload(args, prompts)
     if args.then:
         ratios = then_ratios(args.workload, results["now"], results["then"])
+    elif args.cached_only:
+        ratios = {}
     elif args.workload == "chat":
         on, off = results["prefix_cache"], results["no_prefix_cache"]
         ratios = {f"ttft_p50_turn_{t + 1}_without_over_with": b["p50"] / a["p50"]
@@ -466,6 +471,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=8, help="chat: turns of each conversation")
     parser.add_argument("--system-tokens", type=int, default=1000, help="system-prompt: its length, about")
     parser.add_argument("--concurrency", type=int, default=4, help="system-prompt: clients at once")
+    parser.add_argument("--cached-only", action="store_true",
+                        help="prefix-cache workloads: the server with the prefix cache alone (no ratios)")
     parser.add_argument("--then", default=None,
                         help="prefix-cache workloads: another checkout (git worktree add TREE COMMIT) whose server "
                              "takes turns with this tree's, both with the prefix cache, instead of the uncached one")
@@ -474,6 +481,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.then is not None and not (Path(args.then) / "src" / "refusion").is_dir():
         parser.error(f"--then {args.then}: no src/refusion there (a checkout: git worktree add TREE COMMIT)")
+    if args.cached_only and args.then is not None:
+        parser.error("--cached-only and --then: --then already runs two servers with the cache")
     if args.rounds is not None and args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: must be >= 1")
     exit_on_sigterm()

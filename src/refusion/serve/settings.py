@@ -12,9 +12,11 @@ SHUTDOWN_GRACE_SECONDS = 20.0
 """Default of --shutdown-grace: after SIGTERM, accepted requests have this long to finish. With the flush time
 of serve/shutdown.py (5 s) it stays under the 30 s that Kubernetes and most supervisors wait before SIGKILL."""
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-PREFIX_CACHE_MB = 512
-"""Default of --prefix-cache-mb: about 23,000 prompt tokens of the embedded model in bf16 (30 layers x 2 x 3 KV heads x
-64 dims: 22.5 KiB of entries each), 11,500 in fp32."""
+PREFIX_CACHE_MB = 2048
+"""Default of --prefix-cache-mb: about 93,000 prompt tokens of the embedded model in bf16 (30 layers x 2 x 3 KV heads x
+64 dims: 22.5 KiB of entries each), 46,000 in fp32: 16 chats of 8 turns at 128 tokens an answer fill ~25,000 (a
+budget under that evicts each chat's prefix before its next turn). llama-server keeps up to 8 GiB of prompts
+(`--cache-ram`)."""
 
 
 @dataclass(frozen=True)
