@@ -10,7 +10,9 @@ exact mode, taking turns `--rounds` times; each strategy's fastest round counts)
 * output tokens/s over the whole run;
 * steps, forward milliseconds per step, apart for steps that prefill a prompt and steps that do not;
 * host milliseconds per step: the step's work outside the forward (the programs, drafting and its decision,
-  sampling, the cache's bookkeeping).
+  sampling, the cache's bookkeeping);
+* drafts verified and accepted (the exact mode's; where the step's decision finds that no draft pays at the batch's
+  width, the exact mode takes AR steps and its drafter's work is all it adds).
 
 What the server adds on top of these numbers is its own (`serving.py --library` compares it with the library at one
 client). Ends with one JSON line.
@@ -49,8 +51,8 @@ def run_batch(model, prompts: list[list[int]], live: int, strategy: str, max_tok
 
     for _ in range(min(live, len(waiting))):
         admit()
-    out = {"tokens": 0, "steps": 0, "prefill_steps": 0, "prefill_forward_s": 0.0, "step_forward_s": 0.0,
-           "host_s": 0.0}
+    out = {"tokens": 0, "drafted": 0, "accepted": 0, "steps": 0, "prefill_steps": 0, "prefill_forward_s": 0.0,
+           "step_forward_s": 0.0, "host_s": 0.0}
     begin = time.perf_counter()
     while decoder.live:
         prefills = any(r.seq.stats.forwards == 0 for r in decoder.live.values())  # a new sequence's first forward
@@ -63,6 +65,8 @@ def run_batch(model, prompts: list[list[int]], live: int, strategy: str, max_tok
         out["prefill_forward_s" if prefills else "step_forward_s"] += forward
         for seq in finished:
             out["tokens"] += seq.stats.tokens
+            out["drafted"] += seq.stats.drafted
+            out["accepted"] += seq.stats.accepted
             if waiting:
                 admit()
     out["seconds"] = time.perf_counter() - begin
@@ -96,7 +100,7 @@ def main() -> None:
             print(f"round {r} {strategy:>14}: {result['tokens_per_second']:6.1f} tokens/s, {result['steps']} steps "
                   f"({result['prefill_steps']} with a prefill: {result['forward_ms_per_prefill_step']:.0f} ms each), "
                   f"other steps {result['forward_ms_per_other_step']:.1f} ms, host {result['host_ms_per_step']:.2f} "
-                  f"ms/step", flush=True)
+                  f"ms/step, drafts accepted {result['accepted']}/{result['drafted']}", flush=True)
     best = {s: max(rs, key=lambda x: x["tokens_per_second"]) for s, rs in rounds.items()}
     report = {"benchmark": "continuous_batching", "live": args.live, "prompts": len(prompts),
               "max_tokens": args.max_tokens, "linear": args.linear, "setup": setup_of(model).describe(),
