@@ -56,6 +56,23 @@ def test_prompt_lookup_copies_what_followed_the_latest_earlier_occurrence():
     assert lookup_drafts([1, 2, 3, 4], 3) == [] and lookup_drafts([4], 3) == []
 
 
+def test_prompt_lookup_index_answers_as_the_scan_does_as_the_text_grows():
+    import random
+
+    from refusion.decode.drafters.prompt_lookup import LatestOccurrences, lookup_drafts
+
+    rng = random.Random(0)
+    for _ in range(20):
+        occurrences, text = LatestOccurrences(), []
+        for step in range(60):
+            if step == 30:  # another text (not an extension): indexed afresh
+                text = text[:rng.randrange(len(text) + 1)] + [rng.randrange(5)]
+            else:  # a step commits one to a few tokens
+                text = text + [rng.randrange(5) for _ in range(rng.randint(1, 4))]
+            length = rng.randint(1, 6)
+            assert occurrences.drafts(text, length) == lookup_drafts(text, length), (text, length)
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_prompt_lookup_never_changes_the_output_and_drafts_from_repetitions(arch):
     model = tiny_model(arch)

@@ -24,6 +24,38 @@ def lookup_drafts(text: list[int], length: int) -> list[int]:
     return []
 
 
+class LatestOccurrences:
+    """`lookup_drafts` over a text that grows between calls, without scanning it again each time: where each
+    n-gram (n in `LOOKUP_MATCHES`) last started, kept for every start but the text's last n-gram's own. A decoding
+    sequence's text only grows, so each call indexes the starts its new tokens complete (a text that is not an
+    extension of the last one is indexed afresh); the answer is `lookup_drafts`'s, which a scan of a 1,000-token
+    text took ~70 us a step to find."""
+
+    def __init__(self):
+        self.text: list[int] = []
+        """The text indexed so far."""
+        self.latest: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in LOOKUP_MATCHES}
+        """Per n: each n-gram's latest start among the indexed ones (every start before the text's last n-gram)."""
+
+    def drafts(self, text: list[int], length: int) -> list[int]:
+        """`lookup_drafts(text, length)`."""
+        self._index(text)
+        for n in LOOKUP_MATCHES:
+            start = self.latest[n].get(tuple(text[-n:])) if len(text) > n else None
+            if start is not None:
+                return text[start + n: start + n + length]
+        return []
+
+    def _index(self, text: list[int]) -> None:
+        if text[:len(self.text)] != self.text:  # not an extension: index it afresh
+            self.text, self.latest = [], {n: {} for n in LOOKUP_MATCHES}
+        known = len(self.text)
+        for n, latest in self.latest.items():
+            for start in range(max(known - n, 0), len(text) - n):
+                latest[tuple(text[start: start + n])] = start
+        self.text = list(text)
+
+
 class PromptLookup(Drafter):
     """Up to `length` tokens copied from what followed the latest earlier occurrence of the text's last tokens."""
 
@@ -32,6 +64,7 @@ class PromptLookup(Drafter):
     def __init__(self, length: int, device="cpu"):
         self.length, self.device = length, device
         self.acceptance = AcceptanceByDepth()  # of its chains, in this sequence
+        self.occurrences = LatestOccurrences()  # of the sequence's text, which grows step by step
 
     @staticmethod
     def for_sequence(seq) -> PromptLookup | None:
@@ -40,7 +73,7 @@ class PromptLookup(Drafter):
         return PromptLookup(cfg.lookup_length, seq.device) if cfg.lookup_length else None
 
     def propose(self, context: DraftContext) -> Proposal:
-        copied = lookup_drafts(context.text, self.length)
+        copied = self.occurrences.drafts(context.text, self.length)
         if not copied:
             return Proposal.none(self.device)
         return Proposal(self, copied_drafts(copied, self.device), self.acceptance)
