@@ -93,6 +93,43 @@ def test_in_a_batch_the_step_prices_the_padding_to_the_widest_sequence():
     assert draft_counts([(1, chain)], [6, 1, 1], costly) == [5]
 
 
+def test_the_step_decision_skips_its_search_only_where_the_search_takes_nothing(monkeypatch):
+    """`no_draft_pays` rules a step out without pricing every width's choices: over random batches, offers and costs
+    the decision is the full search's, and the shortcut is taken in some of them (the wide batches of a CPU, where
+    a draft's row and the others' padding cost more than it gains)."""
+    import random
+
+    from refusion.decode import costs as costs_module
+
+    bound, verdicts = costs_module.no_draft_pays, []
+
+    def recorded(*args):
+        verdicts.append(bound(*args))
+        return verdicts[-1]
+
+    rng, skipped = random.Random(0), 0
+    for _ in range(400):
+        widths = sorted(rng.sample(range(2, 80), 6))
+        seconds = sorted(0.01 + rng.uniform(0.001, 0.01) * w ** rng.uniform(0.2, 1.0) for w in widths)
+        table = ForwardCosts((1, *widths), (0.01, *seconds), padded_row=rng.choice([0.0, 0.001, 0.004]),
+                             masking=rng.choice([0.0, 0.002]), attention=rng.choice([0.0, 1e-6]),
+                             probe_context=rng.choice([0, 128]), probe_batch=rng.choice([0, 4]),
+                             split_attention=rng.random() < 0.5)
+        offers = [(rng.choice([1, 1, 2]), tuple((rng.choice([1, 1, 2]), gain) for gain in
+                                                sorted((rng.random() ** 2 for _ in range(rng.randint(1, 5))),
+                                                       reverse=True)))
+                  for _ in range(rng.randint(1, 8))]
+        others, columns = [1] * rng.randint(0, 4), rng.choice([0, 200, 1500])
+        verdicts.clear()
+        monkeypatch.setattr(costs_module, "no_draft_pays", recorded)
+        decided = draft_counts(offers, others, table, columns)
+        monkeypatch.setattr(costs_module, "no_draft_pays", lambda *args: False)  # the full search, always
+        assert draft_counts(offers, others, table, columns) == decided
+        skipped += any(verdicts)
+    assert skipped > 20
+    monkeypatch.undo()
+
+
 def test_beside_a_prefill_drafts_are_worth_what_their_rows_cost_in_a_plain_step():
     """A 150-token prefill beside three one-token steps makes a slow step whatever is drafted: at its own rate (4
     tokens over ~240 ms) a draft accepted 4 times in 10 would pay for its 1.6 ms row 25 times over, but at the batch's

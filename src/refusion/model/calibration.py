@@ -122,16 +122,31 @@ class ForwardCosts:
         200-300 columns took 15-50 % more than the unscaled costs said, and drafts were verified where they lost to
         AR (docs/archive/BENCHMARKS-JOURNAL.md, *One computing thread*)."""
         masked = batch > 1 and widest > 1
-        beyond = max(columns - self.probe_context, 0) if self.probe_context else 0
-        spread = (self.probe_context + beyond) / self.probe_context if self.probe_context else 1.0
-        crowd = max(batch / self.probe_batch, 1.0) if self.probe_batch else 1.0
         padding = self.padded_row * max(batch * widest - rows, 0)
         attending = batch * widest  # queries of attention's padded layout
         if self.split_attention and masked and splits_attention(batch, rows, widest,
                                                                 max(columns, self.probe_context) + widest):
             attending = rows
-        return (self.of(rows) + padding + self.attention * attending * beyond
-                + self.masking * masked * spread * crowd)
+        return (self.of(rows) + padding + self.attention * attending * self._beyond(columns)
+                + self._mask(batch, columns) * masked)
+
+    def least_of_batch(self, rows: int, batch: int, columns: int = 0) -> float:
+        """The least `of_batch(rows, batch, widest, columns)` can be for any widest > 1 that holds `rows`: no
+        padding, attention over the real rows alone (every layout attends over at least those). What a step that
+        verifies a draft costs at the least (`decode.costs.draft_counts` rules out a step where no draft can pay
+        by it)."""
+        return self.of(rows) + self.attention * rows * self._beyond(columns) + self._mask(batch, columns) * (batch > 1)
+
+    def _beyond(self, columns: int) -> int:
+        """Cached columns beyond the probe's, which every attending row pays `attention` for."""
+        return max(columns - self.probe_context, 0) if self.probe_context else 0
+
+    def _mask(self, batch: int, columns: int) -> float:
+        """What a mask costs a batched forward: `masking`, in proportion to a longer layout and a larger batch than
+        the probe's, never less."""
+        spread = (self.probe_context + self._beyond(columns)) / self.probe_context if self.probe_context else 1.0
+        crowd = max(batch / self.probe_batch, 1.0) if self.probe_batch else 1.0
+        return self.masking * spread * crowd
 
     def describe(self) -> str:
         widths = ", ".join(f"{w}: {s * 1e3:.1f} ms" for w, s in zip(self.widths, self.seconds))
