@@ -127,7 +127,6 @@ def test_the_step_decision_skips_its_search_only_where_the_search_takes_nothing(
         assert draft_counts(offers, others, table, columns) == decided
         skipped += any(verdicts)
     assert skipped > 20
-    monkeypatch.undo()
 
 
 def test_beside_a_prefill_drafts_are_worth_what_their_rows_cost_in_a_plain_step():
