@@ -15,13 +15,14 @@ from refusion.decode.costs import (
     best_draft_count,
     chances,
     draft_counts,
+    drafting_may_pay,
     forward_costs_of,
     fusing_pays,
     measure,
 )
 from refusion.decode.forward import CachedForward
 from refusion.model.setup import plain_setup, prepare
-from refusion.model.tiny import tiny_model
+from refusion.model.tiny import TINY_MASK_ID, tiny_model
 
 FLAT = ForwardCosts((1, 32), (1.0, 1.0))
 """Width costs nothing (a GPU, packed AMX products): every draft is worth verifying."""
@@ -127,6 +128,40 @@ def test_the_step_decision_skips_its_search_only_where_the_search_takes_nothing(
         assert draft_counts(offers, others, table, columns) == decided
         skipped += any(verdicts)
     assert skipped > 20
+
+
+def test_where_no_draft_of_the_bounds_could_pay_the_search_takes_none():
+    """`drafting_may_pay` answers before the drafters are asked: over random batches and costs, wherever it says no,
+    the step's decision takes no item of any offer within the bounds (at most the bound's rows, each item's gain per
+    row at most its rate), and it says no in some of them, yes in others."""
+    import random
+
+    rng, closed, opened = random.Random(1), 0, 0
+    for _ in range(300):
+        widths = sorted(rng.sample(range(2, 80), 6))
+        seconds = sorted(0.01 + rng.uniform(0.001, 0.01) * w ** rng.uniform(0.2, 1.0) for w in widths)
+        table = ForwardCosts((1, *widths), (0.01, *seconds), padded_row=rng.choice([0.0, 0.001, 0.004]),
+                             masking=rng.choice([0.0, 0.002]), attention=rng.choice([0.0, 1e-6]),
+                             probe_context=rng.choice([0, 128]), probe_batch=rng.choice([0, 4]),
+                             split_attention=rng.random() < 0.5)
+        bounds = [(rng.randint(1, 8), rng.uniform(0.2, 1.0)) for _ in range(rng.randint(1, 8))]
+        others, columns = [1] * rng.randint(0, 4), rng.choice([0, 200, 1500])
+        if drafting_may_pay(bounds, others, table, columns):
+            opened += 1
+            continue
+        closed += 1
+        for _ in range(5):  # offers as rich as the bounds allow: every row at the bound's rate, or less
+            offers = []
+            for rows, rate in bounds:
+                items, left = [], rng.randint(1, rows)
+                while left:
+                    item_rows = rng.randint(1, left)
+                    items.append((item_rows, item_rows * rate * rng.choice([1.0, 1.0, rng.random()])))
+                    left -= item_rows
+                offers.append((1, tuple(items)))
+            assert draft_counts(offers, others, table, columns) == [0] * len(offers)
+    assert closed > 20 and opened > 20
+    assert drafting_may_pay([(4, 0.9)], [3], PER_ROW)  # beside a wider request drafts are valued otherwise: asked
 
 
 def test_beside_a_prefill_drafts_are_worth_what_their_rows_cost_in_a_plain_step():
@@ -296,6 +331,49 @@ def test_the_cost_aware_count_changes_the_drafts_never_the_output():
     assert drafted["flat"] == drafted["unmeasured"] > 0
     assert runs["flat"].traces == runs["unmeasured"].traces
     assert drafted["per_row"] == 0
+
+
+def test_a_step_where_no_draft_could_pay_asks_no_drafter_and_decides_as_the_full_decision(monkeypatch):
+    """Three sequences decoded together, with costs under which drafts pay in some steps and no draft can in others:
+    the step's bound (`drafting_may_pay`) turns drafting off in the latter, the drafters are asked less, and every
+    sequence's tokens, drafts, forwards and rounds are those of the decision without the bound (a bound 0.6x as
+    high differs from it)."""
+    from refusion.decode import loop
+    from refusion.decode.drafters.prompt_lookup import PromptLookup
+
+    model = tiny_model("qwen3")
+    costs = ForwardCosts((1, 2, 4, 8, 32), (1.0, 1.4, 2.0, 4.0, 16.0))
+    setup = plain_setup(model).replace(forward_costs=costs)
+    prompts = [[1, 5, 7, 9, 5, 7, 9, 5, 7], [3, 4, 3, 4, 3, 4, 3], [12, 13, 14, 15, 16, 12, 13, 14]]
+    base = refusion.DecodeConfig(strategy="speculative", draft_length=0, lookup_length=6, eos_token_id=[])
+    real, answers, asked = loop.drafting_may_pay, [], []
+    propose = PromptLookup.propose
+
+    def counted(self, context):
+        asked.append(context.batch)
+        return propose(self, context)
+
+    monkeypatch.setattr(PromptLookup, "propose", counted)
+
+    def decode(gate) -> list:
+        monkeypatch.setattr(loop, "drafting_may_pay", gate)
+        decoder = loop.Decoder(model, setup=setup)
+        seqs = [decoder.add(p, base.replace(max_new_tokens=n), mask_token_id=TINY_MASK_ID, eos_token_ids=[],
+                            trace=True)
+                for p, n in zip(prompts, (6, 12, 30))]
+        decoder.run()
+        return [(s.response(), s.stats.forwards, s.stats.drafted, s.stats.accepted, s.rounds) for s in seqs]
+
+    def recorded(*args):
+        answers.append(real(*args))
+        return answers[-1]
+
+    bounded = decode(recorded)
+    asked_with_bound, asked[:] = list(asked), []
+    assert bounded == decode(lambda *args: True)
+    assert False in answers and True in answers
+    assert sum(s[2] for s in bounded) > 0  # drafts were verified once one sequence was left
+    assert len(asked_with_bound) < len(asked)  # and the drafters were not asked while none could pay
 
 
 def test_the_probe_times_decoding_forwards_after_a_cached_context(monkeypatch):

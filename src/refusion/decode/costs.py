@@ -478,3 +478,21 @@ def no_draft_pays(blocks: list[tuple], tokens: float, plain: float, costs: Forwa
             if (tokens + gain) / costs.least_of_batch(rows, batch, columns) >= plain * (1 - 1e-9):
                 return False  # some choice might pay (the margin: the search sums the same gains in another order)
     return True
+
+
+def drafting_may_pay(bounds: list[tuple[int, float]], others: list[int], costs: ForwardCosts,
+                     columns: int = 0) -> bool:
+    """Whether any draft could pay in a step, before the drafters are asked: `bounds` holds each drafting
+    sequence's (rows, gain per row) (`sequence.DraftBound`: the most its offer could hold), `others` the widths of the
+    step's other sequences. Where every sequence takes one token, an offer's items gain at most their bound's rate
+    per row and hold at most its rows, so the R densest rows `draft_counts` could take gain at most the R densest
+    bounded ones: where `no_draft_pays` holds for the bounds, it holds for every offer they bound, and the search
+    would take nothing. Beside a wider request (a prefill, a plan) drafts are valued at another rate: True."""
+    widths = [1] * len(bounds) + list(others)
+    if max(widths, default=1) > 1:
+        return True
+    batch = len(widths)
+    blocks = sorted(((gain, index, rows, rows, gain * rows, 1 + rows)
+                     for index, (rows, gain) in enumerate(bounds) if rows), key=lambda block: -block[0])
+    plain = batch / costs.of_batch(batch, batch, 1, columns)
+    return not no_draft_pays(blocks, float(batch), plain, costs, batch, batch, columns)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from refusion.config import DecodeConfig, layered_config
-from refusion.decode.costs import draft_counts, forward_costs_of
+from refusion.decode.costs import draft_counts, drafting_may_pay, forward_costs_of
 from refusion.decode.forward import CachedForward, padded_inputs
 from refusion.decode.grammar import ResponseGrammar, check_strategy
 from refusion.decode.outputs import BatchStats, GenerationOutput, GenerationStats, RoundTrace
@@ -30,7 +30,7 @@ from refusion.decode.prefix_cache import (
 )
 from refusion.decode.programs import start_program
 from refusion.decode.sampling import PositionNoise
-from refusion.decode.sequence import DraftOffer, Forward, Program, Sequence
+from refusion.decode.sequence import DraftBound, DraftOffer, Forward, Program, Sequence
 from refusion.model.compiled import bucket_width
 from refusion.model.setup import ModelSetup, check_promise, setup_of
 
@@ -41,11 +41,12 @@ class PromptTooLong(ValueError):
 
 @dataclass
 class Running:
-    """A live sequence, its program, and the forward the program asked for (or the drafts it offers for it)."""
+    """A live sequence, its program, and the forward the program asked for (or the bound of its drafts, or the
+    drafts it offers for it)."""
 
     seq: Sequence
     program: Program
-    request: Forward | DraftOffer
+    request: Forward | DraftBound | DraftOffer
     unstored_prompt: list[int] | None = None
     """The prompt, until its prefill's entries are stored in the decoder's prefix cache (None: nothing to store)."""
 
@@ -164,6 +165,7 @@ class Decoder:
         `on_error(sequence, exception)` while the others go on; without `on_error` the exception propagates.
         """
         finished, failed = [], []
+        self.settle_bounds(failed, raising=on_error is None)
         self.settle_offers(failed, raising=on_error is None)
         order = sorted(self.live, key=self.cache.row_of.get)
         if not order:
@@ -196,6 +198,19 @@ class Decoder:
         self.drop_failed(failed, on_error)
         return finished
 
+    def settle_bounds(self, failed: list[tuple[Sequence, Exception]], raising: bool) -> None:
+        """Whether any draft could pay in the step: the programs that bound their drafts (`DraftBound`) are sent
+        `costs.drafting_may_pay` over every live sequence's bound and width, and yield their offers (or forwards).
+        A program that raises leaves the batch into `failed` (`raising`: its exception propagates)."""
+        bounding = [r for r in self.live.values() if isinstance(r.request, DraftBound)]
+        if not bounding:
+            return
+        others = [r.request.tokens.numel() for r in self.live.values() if isinstance(r.request, Forward)]
+        bounds = [(r.request.rows, r.request.gain_per_row) for r in bounding]
+        costs = bounding[0].seq.forward_costs  # a program bounds only where its costs are known: the decoder's own
+        may_pay = drafting_may_pay(bounds, others, costs, self.cache.used)
+        self._send_each(bounding, [may_pay] * len(bounding), failed, raising)
+
     def settle_offers(self, failed: list[tuple[Sequence, Exception]], raising: bool) -> None:
         """The step's decision: the programs that offered drafts (`DraftOffer`) are sent how many of their items the
         step's forward verifies (`costs.draft_counts`, over every live sequence's rows) and yield their forwards. A
@@ -206,9 +221,14 @@ class Decoder:
         others = [r.request.tokens.numel() for r in self.live.values() if not isinstance(r.request, DraftOffer)]
         costs = offering[0].seq.forward_costs  # a program offers only where its costs are known: the decoder's own
         counts = draft_counts([(r.request.width, r.request.items) for r in offering], others, costs, self.cache.used)
-        for running, count in zip(offering, counts):
+        self._send_each(offering, counts, failed, raising)
+
+    def _send_each(self, waiting: list[Running], answers: list, failed: list[tuple[Sequence, Exception]],
+                   raising: bool) -> None:
+        """Send each waiting program its answer and keep what it yields next (a program that raises: `failed`)."""
+        for running, answer in zip(waiting, answers):
             try:
-                running.request = running.program.send(count)
+                running.request = running.program.send(answer)
             except Exception as e:
                 if raising:
                     raise

@@ -4,8 +4,9 @@ shares.
 A program (`refusion.decode.programs`) is a generator. Each time it needs the model it yields a `Forward` (its new
 tokens, their position ids and groups) and receives the logits of those tokens; the batching loop (`loop.py`) runs
 the forwards of every live sequence of a batch together. Before a forward, the exact mode's program may yield a
-`DraftOffer` instead, and receives how many of its drafts the step verifies. Between forwards a program commits, retains or discards
-its pending KV entries through `Sequence`, which owns its row of the `SlotCache`.
+`DraftBound` (the most its drafts could be worth), and receives whether any draft could pay in the step; then a
+`DraftOffer`, and receives how many of its drafts the step verifies. Between forwards a program commits, retains or
+discards its pending KV entries through `Sequence`, which owns its row of the `SlotCache`.
 """
 
 from __future__ import annotations
@@ -70,9 +71,23 @@ class DraftOffer:
     before it)."""
 
 
-Program = Generator[Forward | DraftOffer, torch.Tensor | int, None]
-"""A decoding program: yields the forwards it needs (and, in the exact mode, the drafts it offers), is sent each
-forward's logits (and each offer's count)."""
+@dataclass(frozen=True)
+class DraftBound:
+    """The most a sequence's next `DraftOffer` could be worth, before its drafters are asked for drafts: the program
+    yields it, is sent whether any draft of the step could pay (`costs.drafting_may_pay`, over every sequence's
+    bound), and drafts only where one could (on a CPU's wide batches none can, and asking the drafters is then
+    wasted host work)."""
+
+    rows: int
+    """The most rows the offer could add to the sequence's forward."""
+    gain_per_row: float
+    """The most any of those rows could add to the tokens the forward is expected to commit (an item's gain over
+    its rows: a draft's chance of acceptance)."""
+
+
+Program = Generator[Forward | DraftBound | DraftOffer, torch.Tensor | bool | int, None]
+"""A decoding program: yields the forwards it needs (and, in the exact mode, the bound of its drafts and the drafts
+it offers), is sent each forward's logits (and whether drafts may pay, and each offer's count)."""
 
 
 class Sequence:

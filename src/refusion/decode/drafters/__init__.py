@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from refusion.decode.drafters.base import DraftContext, Drafter, Proposal, Verdict, propose
+from refusion.decode.drafters.base import DraftContext, Drafter, Proposal, Verdict, draft_bound, propose
 from refusion.decode.drafters.masks import MaskDrafter
 from refusion.decode.drafters.prompt_lookup import PromptLookup
 from refusion.decode.drafters.table import TableDrafter
@@ -31,4 +31,4 @@ def drafters_for(seq) -> list[Drafter]:
 
 
 __all__ = ["DRAFTERS", "DraftContext", "Drafter", "MaskDrafter", "PromptLookup", "Proposal", "TableDrafter",
-           "Verdict", "drafters_for", "propose"]
+           "Verdict", "draft_bound", "drafters_for", "propose"]

@@ -103,8 +103,23 @@ class Drafter:
         rounds after: what the step's decision weighs against their width)."""
         return 0.0
 
+    def bound(self, room: int, batch: int) -> tuple[int, float] | None:
+        """The most rows its next proposal, with the rows it adds, could offer a forward (`room` tokens may follow
+        the next one, `batch` sequences share the step) and the most any of them could gain (`DraftBound`);
+        None where it cannot say: the step then lets the sequence draft."""
+        return None
+
     def observe(self, verdict: Verdict) -> None:
         """Learn from a verdict (every drafter sees each one, whoever proposed)."""
+
+
+def draft_bound(drafters: list[Drafter], room: int, batch: int) -> tuple[int, float] | None:
+    """The most a round's proposal (`propose`: one drafter's) could offer: the most rows and the highest gain per
+    row of any of `drafters`; None where one of them cannot say."""
+    bounds = [drafter.bound(room, batch) for drafter in drafters]
+    if any(b is None for b in bounds):
+        return None
+    return max((rows for rows, _ in bounds), default=0), max((gain for _, gain in bounds), default=0.0)
 
 
 def propose(drafters: list[Drafter], context: DraftContext, position: int, device) -> Proposal:

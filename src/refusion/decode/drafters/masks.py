@@ -74,6 +74,14 @@ class MaskDrafter(Drafter):
         reached = 1.0 if self.predraft or not drafted else chances(drafted, self.acceptance)[-1]
         return reached * expected_tokens(self.draft_length, self.acceptance)
 
+    def bound(self, room: int, batch: int) -> tuple[int, float]:
+        """Up to `draft_length` drafts, each worth at most the first's chance, and its chains of masks (one per
+        acceptance length with `predraft`), each of at most `draft_length` + 1 masks and at least 2, which together
+        are worth `rows_gain`: at most `expected_tokens` of a whole chain."""
+        drafts, chain = min(self.draft_length, room), self.draft_length + 1
+        rows = drafts + chain * (drafts + 1 if self.predraft else 1)
+        return rows, max(self.acceptance.rate(1), expected_tokens(self.draft_length, self.acceptance) / 2)
+
     def observe(self, verdict: Verdict) -> None:
         ours = verdict.proposal.drafter is self
         if ours and (drafted := verdict.proposal.drafts.tokens.numel()):

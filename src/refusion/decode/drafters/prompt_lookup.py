@@ -77,6 +77,10 @@ class PromptLookup(Drafter):
             return Proposal.none(self.device)
         return Proposal(self, copied_drafts(copied, self.device), self.acceptance)
 
+    def bound(self, room: int, batch: int) -> tuple[int, float]:
+        """Up to `length` drafts, each worth at most the first's chance (a deeper one's is a product of rates)."""
+        return min(self.length, room), self.acceptance.rate(1)
+
     def observe(self, verdict: Verdict) -> None:
         drafted = verdict.proposal.drafts.tokens.numel()
         if verdict.proposal.drafter is self and drafted:

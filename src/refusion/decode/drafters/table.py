@@ -51,6 +51,13 @@ class TableDrafter(Drafter):
         return Proposal(self, copied_drafts(copied, self.device),
                         self.acceptance, second, self.runner_up_acceptance)
 
+    def bound(self, room: int, batch: int) -> tuple[int, float]:
+        """Up to `length` drafts, and as many in a second chain where one is drafted (`batch` 1), each worth at most
+        its chain's first draft's chance."""
+        length, second = min(self.length, room), self.runner_up and batch == 1
+        gain = max(self.acceptance.rate(1), self.runner_up_acceptance.rate(1) if second else 0.0)
+        return length * (1 + second), gain
+
     def observe(self, verdict: Verdict) -> None:
         proposal = verdict.proposal
         if proposal.drafter is not self:

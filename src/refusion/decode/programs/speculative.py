@@ -4,7 +4,8 @@ decoding's, token for token, while a forward can commit several tokens (docs/DEC
 The drafts come from the sequence's drafters (`decode/drafters/`: prompt lookup, the draft table, the masks), each
 behind one interface; the program is a loop of rounds that asks them for a proposal, cuts it to the room left and
 the grammar, offers it to the step's decision where forward costs were measured (`DraftOffer`: the loop decides for
-the whole batch how far each sequence drafts, `costs.draft_counts`), verifies what was kept
+the whole batch how far each sequence drafts, `costs.draft_counts`; before that, `DraftBound`: whether any draft of
+the step could pay at all, else no drafter is asked), verifies what was kept
 (`speculate.accept_drafts`) and tells every drafter the verdict. Every forward carries the next token (already decided by the previous forward's AR logits) and
 the drafts after it (the chain), followed by the rows the proposing drafter adds (chains of masks that draft the
 tokens after the next one), or by a second chain of drafts for the same positions (the draft table's runner-up).
@@ -18,11 +19,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from refusion.decode.costs import AcceptanceByDepth, chances
-from refusion.decode.drafters import DraftContext, Drafter, Proposal, Verdict, drafters_for, propose
+from refusion.decode.drafters import DraftContext, Drafter, Proposal, Verdict, draft_bound, drafters_for, propose
 from refusion.decode.logprobs import TokenLogprobs
 from refusion.decode.outputs import RoundTrace, SlotEvent
 from refusion.decode.sampling import decided_tokens
-from refusion.decode.sequence import DraftOffer, Forward, Program, Sequence, masks, prefill, zeros
+from refusion.decode.sequence import DraftBound, DraftOffer, Forward, Program, Sequence, masks, prefill, zeros
 from refusion.decode.speculate import Drafts, accept_drafts, copied_drafts
 
 
@@ -128,13 +129,17 @@ def speculative_program(seq: Sequence) -> Program:
         # 2. propose: the first drafter with drafts for the tokens after the next one, cut to what may be verified
         if seq.grammar is not None:
             seq.grammar.consume([token_id])
-        room = end - 1 - position
-        context = DraftContext(text + [token_id], room, seq.cache.batch_size)
-        proposal = verifiable(seq, propose(drafters, context, position, device), room)
-        riding = proposal.drafter.rows(position, proposal.drafts.tokens.numel()) if proposal.drafter else []
-        if seq.forward_costs is not None and (proposal.drafted or proposal.second or riding):
-            # what pays at the step's width, for the whole batch (`costs.draft_counts`)
-            proposal, riding = taken(proposal, riding, (yield draft_offer(proposal, riding)))
+        room, batch = end - 1 - position, seq.cache.batch_size
+        bound = draft_bound(drafters, room, batch) if seq.forward_costs is not None else None
+        if bound is not None and not (yield DraftBound(*bound)):  # no draft of the step could pay: none asked for
+            proposal, riding = Proposal.none(device), []
+        else:
+            context = DraftContext(text + [token_id], room, batch)
+            proposal = verifiable(seq, propose(drafters, context, position, device), room)
+            riding = proposal.drafter.rows(position, proposal.drafts.tokens.numel()) if proposal.drafter else []
+            if seq.forward_costs is not None and (proposal.drafted or proposal.second or riding):
+                # what pays at the step's width, for the whole batch (`costs.draft_counts`)
+                proposal, riding = taken(proposal, riding, (yield draft_offer(proposal, riding)))
         drafts, second = proposal.drafts, list(proposal.second)
         n = drafts.tokens.numel()
         chain = torch.cat([token, drafts.tokens])
