@@ -19,7 +19,15 @@ from dataclasses import dataclass, replace
 import torch
 
 from refusion.decode.costs import AcceptanceByDepth, chances
-from refusion.decode.drafters import DraftContext, Drafter, Proposal, Verdict, draft_bound, drafters_for, propose
+from refusion.decode.drafters import (
+    DraftContext,
+    Drafter,
+    Proposal,
+    Verdict,
+    draft_bound,
+    drafters_for,
+    propose,
+)
 from refusion.decode.logprobs import TokenLogprobs
 from refusion.decode.outputs import RoundTrace, SlotEvent
 from refusion.decode.sampling import decided_tokens
