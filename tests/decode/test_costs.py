@@ -130,6 +130,39 @@ def test_the_step_decision_skips_its_search_only_where_the_search_takes_nothing(
     assert skipped > 20
 
 
+def test_the_bound_checks_only_where_its_pieces_end_and_answers_as_checking_every_row():
+    """`no_draft_pays` checks each block's first and last row and the measured widths between them: over random
+    blocks and costs it answers as the check of every row does (the ratio is monotone between those rows)."""
+    import random
+
+    from refusion.decode.costs import no_draft_pays
+
+    def every_row(blocks, tokens, plain, costs, base_rows, batch, columns):
+        rows, gain = base_rows, 0.0
+        for density, _, _, block_rows, _, _ in blocks:
+            for _ in range(block_rows):
+                rows, gain = rows + 1, gain + density
+                if (tokens + gain) / costs.least_of_batch(rows, batch, columns) >= plain * (1 - 1e-9):
+                    return False
+        return True
+
+    rng, answers = random.Random(2), []
+    for _ in range(500):
+        widths = sorted(rng.sample(range(2, 80), 6))
+        seconds = sorted(0.01 + rng.uniform(0.001, 0.01) * w ** rng.uniform(0.2, 1.0) for w in widths)
+        table = ForwardCosts((1, *widths), (0.01, *seconds), masking=rng.choice([0.0, 0.002]),
+                             attention=rng.choice([0.0, 1e-6]), probe_context=rng.choice([0, 128]),
+                             probe_batch=rng.choice([0, 4]))
+        batch, columns = rng.randint(1, 12), rng.choice([0, 200, 1500])
+        densities = sorted((rng.random() for _ in range(rng.randint(1, 6))), reverse=True)
+        blocks = [(d, i, 1, rng.randint(1, 20), 0.0, 0) for i, d in enumerate(densities)]
+        plain = batch / table.of_batch(batch, batch, 1, columns)
+        args = (blocks, float(batch), plain, table, batch, batch, columns)
+        answers.append(no_draft_pays(*args))
+        assert answers[-1] == every_row(*args)
+    assert 50 < sum(answers) < 450
+
+
 def test_where_no_draft_of_the_bounds_could_pay_the_search_takes_none():
     """`drafting_may_pay` answers before the drafters are asked: over random batches and costs, wherever it says no,
     the step's decision takes no item of any offer within the bounds (at most the bound's rows, each item's gain per
