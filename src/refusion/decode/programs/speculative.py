@@ -107,6 +107,7 @@ def speculative_program(seq: Sequence) -> Program:
     prompt_length = seq.prompt_length
     end = prompt_length + cfg.max_new_tokens  # positions of the response are < end
     drafters = drafters_for(seq)
+    nothing = Proposal.none(device)  # a round that drafts nothing (shared: a proposal is never changed in place)
 
     # 1. prefill: the prompt, and the rows of the drafter that rides on forwards (masks drafting the first round)
     rider = next((d for d in drafters if d.rows(prompt_length - 1, 0)), None)
@@ -140,7 +141,7 @@ def speculative_program(seq: Sequence) -> Program:
         room, batch = end - 1 - position, seq.cache.batch_size
         bound = draft_bound(drafters, room, batch) if seq.forward_costs is not None else None
         if bound is not None and not (yield DraftBound(*bound)):  # no draft of the step could pay: none asked for
-            proposal, riding = Proposal.none(device), []
+            proposal, riding = nothing, []
         else:
             context = DraftContext(text + [token_id], room, batch)
             proposal = verifiable(seq, propose(drafters, context, position, device), room)
@@ -150,7 +151,7 @@ def speculative_program(seq: Sequence) -> Program:
                 proposal, riding = taken(proposal, riding, (yield draft_offer(proposal, riding)))
         drafts, second = proposal.drafts, list(proposal.second)
         n = drafts.tokens.numel()
-        chain = torch.cat([token, drafts.tokens])
+        chain = torch.cat([token, drafts.tokens]) if n else token
         second_tokens = torch.tensor(second, dtype=torch.long, device=device) if second else None
         request, layout = DraftingLayout.verify(seq, chain, position, riding, second_tokens)
         logits = yield request
@@ -181,10 +182,10 @@ def speculative_program(seq: Sequence) -> Program:
         # 4. commit: the next token and the accepted path, cut after the first EOS
         if seq.grammar is not None:
             seq.grammar.consume(path_ids)
-        tokens = torch.cat([token, path])
+        tokens = torch.cat([token, path]) if path.numel() else token
         # logprobs: the next token's from the forward that decided it, each accepted draft's and the following
         # token's from this forward's AR rows
-        verified = seq.logprobs_of(rows, torch.cat([path, following]))
+        verified = seq.logprobs_of(rows, torch.cat([path, following])) if seq.wants_logprobs else None
         logprobs = None if verified is None else TokenLogprobs.cat([token_logprobs, verified[:longest]])
         committed = [token_id, *path_ids]
         cut = next((i + 1 for i, t in enumerate(committed) if seq.is_eos_id(t)), None)  # just after the first EOS
