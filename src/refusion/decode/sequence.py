@@ -122,6 +122,7 @@ class Sequence:
         self.on_round = on_round
         self.started = time.perf_counter()
         self.finished = False
+        self._positions: torch.Tensor | None = None  # every position id of the sequence (`position_ids`)
         cache.add_sequence(seq_id)
 
     @property
@@ -170,6 +171,14 @@ class Sequence:
         n = keys[0].shape[1]
         self.cache.add_context(self.id, torch.arange(n, device=self.device), keys, values)
         self.cached_prefix = n
+
+    def position_ids(self, start: int, count: int) -> torch.Tensor:
+        """[count] the position ids start .. start + count - 1: views of one tensor of the sequence's positions, so
+        that a round's forward and commit build none."""
+        if self._positions is None or start + count > self._positions.numel():
+            span = max(start + count, self.prompt_length + self.cfg.max_new_tokens)
+            self._positions = torch.arange(span, device=self.device)
+        return self._positions[start: start + count]
 
     def commit_prompt(self) -> None:
         """After the prefill forward: the prompt joins the context (its pending entries; the cached prefix's

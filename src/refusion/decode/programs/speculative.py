@@ -65,11 +65,11 @@ class DraftingLayout:
         or `second`, other drafts of the same positions as the chain's drafts, as group 1 reading the next token
         alone."""
         n = chain.numel() - 1
-        request = Forward(chain, torch.arange(position, position + n + 1, device=seq.device), zeros(chain))
+        request = Forward(chain, seq.position_ids(position, n + 1), zeros(chain))
         if second is not None and second.numel():
             if branches:
                 raise ValueError("a forward with a second chain carries no masks")
-            positions = torch.arange(position + 1, position + 1 + second.numel(), device=seq.device)
+            positions = seq.position_ids(position + 1, second.numel())
             return request.with_branch(second, positions, 1, position), DraftingLayout(n + 1, (), second.numel())
         for length, mask_positions in branches:
             request = request.with_branch(masks(seq, mask_positions), mask_positions, n - length + 1, position + length)
@@ -128,7 +128,7 @@ def speculative_program(seq: Sequence) -> Program:
     while True:
         eos = seq.is_eos_id(token_id)
         if eos or position == end - 1:  # the last token needs no forward
-            seq.commit(token, torch.tensor([position], device=device), cached=False, logprobs=token_logprobs)
+            seq.commit(token, seq.position_ids(position, 1), cached=False, logprobs=token_logprobs)
             seq.record(RoundTrace(index=seq.stats.rounds, block=0, masked_slots=[], planned=[],
                                   committed=[SlotEvent(position, [token_id])], how="speculative",
                                   forwards=sum(phases.values()), finished=eos, phase_forwards=phases))
@@ -193,7 +193,7 @@ def speculative_program(seq: Sequence) -> Program:
         if done:
             tokens, committed, logprobs = tokens[:cut], committed[:cut], None if logprobs is None else logprobs[:cut]
             groups = groups if isinstance(groups, int) else groups[:cut]
-        seq.commit(tokens, torch.arange(position, position + tokens.numel(), device=device), group=groups,
+        seq.commit(tokens, seq.position_ids(position, tokens.numel()), group=groups,
                    logprobs=logprobs)
         text += committed
         seq.record(RoundTrace(index=seq.stats.rounds, block=0, masked_slots=[],
