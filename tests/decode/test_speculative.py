@@ -271,3 +271,35 @@ def test_speculative_needs_a_mask_token_and_validates_draft_length():
                                 eos_token_id=2)
     out = refusion.generate(model, prompts, cfg)
     assert out.sequences == ar.sequences and out.stats.batch.forwards <= ar.stats.batch.forwards
+
+
+@pytest.mark.parametrize("strategy", ["autoregressive", "speculative"])
+def test_the_response_read_from_the_ids_committed_in_order_is_the_sorted_context_s(strategy):
+    """AR decoding and the exact mode hand their committed ids over in order, and the stream reads the response from
+    them: after every round it equals the response read from the context sorted by position, cut after the first EOS
+    (mid-answer) and at max_new_tokens."""
+    from refusion.decode.loop import Decoder
+
+    model = tiny_model("qwen3")
+    prompts = [[1, 5, 7, 9, 5, 7, 9, 5, 7], [3, 4, 3, 4, 3, 4, 3]]
+    plain = refusion.generate(model, prompts, max_new_tokens=20, strategy="autoregressive", eos_token_id=[]).sequences
+    eos = plain[0][7]  # a token the first answer writes mid-way
+    drafting = {} if strategy == "autoregressive" else {"lookup_length": 6, "draft_length": 0}
+    cfg = refusion.DecodeConfig(strategy=strategy, max_new_tokens=20, eos_token_id=eos, **drafting)
+    checked = []
+
+    def compare(seq, _round):
+        assert seq._listed is not None
+        assert seq.contiguous_response() == seq._sorted_contiguous_response()
+        checked.append(seq.id)
+
+    decoder = Decoder(model)
+    seqs = [decoder.add(p, cfg, mask_token_id=TINY_MASK_ID, eos_token_ids=[eos], on_round=compare) for p in prompts]
+    decoder.run()
+    first = seqs[0].response()
+    assert first == plain[0][: plain[0].index(eos) + 1]
+    assert len(checked) > 10
+    for seq in seqs:
+        assert seq.response() == seq._sorted_contiguous_response()
+        seq._listed = None  # the sorted context's response: the same
+        assert seq.response() == seq._sorted_contiguous_response() == seq.contiguous_response()

@@ -123,6 +123,10 @@ class Sequence:
         self.started = time.perf_counter()
         self.finished = False
         self._positions: torch.Tensor | None = None  # every position id of the sequence (`position_ids`)
+        self._listed: list[int] | None = []
+        """The response's ids in position order while every commit handed them over in order (`commit`'s `ids`:
+        AR decoding and the exact mode), so a stream reads them without sorting the context; None once one did not."""
+        self._first_eos: int | None = None  # where in `_listed` the first EOS is
         cache.add_sequence(seq_id)
 
     @property
@@ -151,15 +155,24 @@ class Sequence:
         return shifted_token_logprobs(logits, tokens, self.cfg.logprobs) if self.wants_logprobs else None
 
     def commit(self, tokens: torch.Tensor, positions: torch.Tensor, *, cached: bool = True,
-               group: int | torch.Tensor | None = None, logprobs: TokenLogprobs | None = None) -> None:
+               group: int | torch.Tensor | None = None, logprobs: TokenLogprobs | None = None,
+               ids: list[int] | None = None) -> None:
         """Append tokens to the context; their pending KV entries (of `group`, where several groups hold a
         position; a tensor: each position's group) become context (KV reuse). `cached=False` for tokens that end
         the sequence before any forward saw them (they have no KV). `logprobs`: of the (response) tokens, one
-        entry each, when the config asks for them."""
+        entry each, when the config asks for them. `ids`: the tokens on the host, where they continue the response
+        right after what was committed before (a program that commits in order: the response is then read from
+        them); None: the response is read from the context sorted by position from now on."""
         if cached:
             self.cache.commit(self.id, positions, group)
         self.committed_tokens.append(tokens)
         self.committed_positions.append(positions)
+        if ids is None:
+            self._listed = None
+        elif self._listed is not None:
+            if self._first_eos is None:
+                self._first_eos = next((len(self._listed) + i for i, t in enumerate(ids) if self.is_eos_id(t)), None)
+            self._listed += ids
         if logprobs is not None:
             if len(logprobs) != tokens.numel():
                 raise RuntimeError(f"{len(logprobs)} logprobs for {tokens.numel()} committed tokens")
@@ -228,6 +241,8 @@ class Sequence:
 
     def response(self) -> list[int]:
         """Committed response tokens in position order, up to and including the first EOS."""
+        if self._listed is not None:
+            return self._listed_response()
         if not self.committed_tokens:
             return []
         tokens, positions = self._committed_in_order()
@@ -235,6 +250,18 @@ class Sequence:
 
     def contiguous_response(self) -> list[int]:
         """The response prefix whose every position is committed (what a stream may show)."""
+        if self._listed is not None:
+            return self._listed_response()
+        return self._sorted_contiguous_response()
+
+    def _listed_response(self) -> list[int]:
+        """The response from the ids its commits handed over in order (`commit`'s `ids`), cut as `_as_response`
+        cuts it."""
+        end = len(self._listed) if self._first_eos is None else self._first_eos + 1
+        return self._listed[: min(end, self.cfg.max_new_tokens)]
+
+    def _sorted_contiguous_response(self) -> list[int]:
+        """`contiguous_response` from the context sorted by position (whatever order the commits came in)."""
         if not self.committed_tokens:
             return []
         tokens, positions = self._committed_in_order()

@@ -749,6 +749,8 @@ def _as_python(ids):
     """Ids as Python ints and lists (a tensor or an array via tolist), without importing torch or numpy."""
     if hasattr(ids, "tolist"):
         return ids.tolist()
+    if isinstance(ids, list) and all(type(i) is int for i in ids):  # a stream's ids each step: nothing to convert
+        return ids
     if isinstance(ids, (list, tuple)):
         return [_as_python(i) for i in ids]
     if isinstance(ids, dict):

@@ -30,7 +30,7 @@ def autoregressive_program(seq: Sequence) -> Program:
             seq.grammar.consume(token_ids)
         if not last:
             logits = yield Forward(token, position, group)
-        seq.commit(token, position, cached=not last, logprobs=logprobs)
+        seq.commit(token, position, cached=not last, logprobs=logprobs, ids=token_ids)
         seq.record(RoundTrace(index=seq.stats.rounds, block=0, masked_slots=[], planned=[],
                               committed=[SlotEvent(prompt_length + i, token_ids)], how="autoregressive",
                               forwards=1, finished=eos, phase_forwards={"prefill" if i == 0 else "decode": 1}))

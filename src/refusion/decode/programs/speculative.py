@@ -128,7 +128,7 @@ def speculative_program(seq: Sequence) -> Program:
     while True:
         eos = seq.is_eos_id(token_id)
         if eos or position == end - 1:  # the last token needs no forward
-            seq.commit(token, seq.position_ids(position, 1), cached=False, logprobs=token_logprobs)
+            seq.commit(token, seq.position_ids(position, 1), cached=False, logprobs=token_logprobs, ids=[token_id])
             seq.record(RoundTrace(index=seq.stats.rounds, block=0, masked_slots=[], planned=[],
                                   committed=[SlotEvent(position, [token_id])], how="speculative",
                                   forwards=sum(phases.values()), finished=eos, phase_forwards=phases))
@@ -194,7 +194,7 @@ def speculative_program(seq: Sequence) -> Program:
             tokens, committed, logprobs = tokens[:cut], committed[:cut], None if logprobs is None else logprobs[:cut]
             groups = groups if isinstance(groups, int) else groups[:cut]
         seq.commit(tokens, seq.position_ids(position, tokens.numel()), group=groups,
-                   logprobs=logprobs)
+                   logprobs=logprobs, ids=committed)
         text += committed
         seq.record(RoundTrace(index=seq.stats.rounds, block=0, masked_slots=[],
                               planned=[SlotEvent(position + 1, list(d)) for d in (drafts.ids, second) if d],
