@@ -15,10 +15,13 @@ exact mode, taking turns `--rounds` times; each strategy's fastest round counts)
   width, the exact mode takes AR steps and its drafter's work is all it adds).
 
 What the server adds on top of these numbers is its own (`serving.py --library` compares it with the library at one
-client). Ends with one JSON line.
+client). `--scheduler` runs the prompts through the server's scheduler instead (`serve.scheduler.Scheduler`, its
+thread, admission and the text it streams after each step; no HTTP, no event loop), all submitted at once with
+`--live` rows: host milliseconds a step are then everything but the forward, admission and streaming included.
+Ends with one JSON line.
 
     python benchmarks/continuous_batching.py [--live 8] [--per-task 12] [--max-tokens 128] [--linear int4-q8]
-                                            [--strategies autoregressive,preset] [--rounds 2]
+                                            [--strategies autoregressive,preset] [--rounds 2] [--scheduler]
 """
 
 from __future__ import annotations
@@ -78,6 +81,45 @@ def run_batch(model, prompts: list[list[int]], live: int, strategy: str, max_tok
     return out
 
 
+def run_scheduler(model, tokenizer, prompts: list[list[int]], live: int, strategy: str, max_tokens: int) -> dict:
+    """Decode `prompts` through the server's scheduler with `live` rows, every prompt submitted at once."""
+    import threading
+
+    from refusion.config import layered_config
+    from refusion.decode.loop import default_config
+    from refusion.serve.scheduler import Job, Scheduler
+
+    setup = setup_of(model)
+    chosen = {"max_new_tokens": max_tokens, **({} if strategy == "preset" else {"strategy": strategy})}
+    cfg = layered_config(default_config(setup).to_dict(), explicit=chosen)
+    tokens = setup.special_tokens.for_decoding(cfg)
+    ended, out = threading.Semaphore(0), {"tokens": 0, "drafted": 0, "accepted": 0}
+
+    def emit(event) -> None:
+        if event.final:
+            stats = event.stats or {}
+            out["tokens"] += event.completion_tokens
+            out["drafted"] += stats.get("drafted", 0)
+            out["accepted"] += stats.get("accepted", 0)
+            ended.release()
+
+    scheduler = Scheduler(model, tokenizer, max_batch_size=live, decoder_capacity=DECODER_CAPACITY)
+    scheduler.start()
+    try:
+        jobs = [Job(p, cfg, tokens.mask_token_id, list(tokens.eos_token_ids), emit) for p in prompts]
+        begin = time.perf_counter()
+        scheduler.submit(jobs)
+        for _ in jobs:
+            ended.acquire()
+        out["seconds"] = time.perf_counter() - begin
+    finally:
+        scheduler.stop()
+    steps, forward = scheduler.counters["steps"], scheduler.decoder.stats.forward_seconds
+    out.update(steps=steps, forward_s=forward, tokens_per_second=out["tokens"] / out["seconds"],
+               host_ms_per_step=1e3 * (out["seconds"] - forward) / max(steps, 1))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--live", type=int, default=8, help="sequences decoded together (the server's slots)")
@@ -87,6 +129,8 @@ def main() -> None:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--strategies", default="autoregressive,preset")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--scheduler", action="store_true",
+                        help="through the server's scheduler (admission, streamed text), without HTTP")
     args = parser.parse_args()
     model, tokenizer = refusion.load(linear=args.linear, **({"dtype": args.dtype} if args.dtype else {}))
     prompts = refusion.encode_prompts(tokenizer, held_out_prompts(args.per_task))
@@ -95,14 +139,22 @@ def main() -> None:
     rounds: dict[str, list[dict]] = {s: [] for s in strategies}
     for r in range(args.rounds):
         for strategy in strategies:
-            result = run_batch(model, prompts, args.live, strategy, args.max_tokens)
+            if args.scheduler:
+                result = run_scheduler(model, tokenizer, prompts, args.live, strategy, args.max_tokens)
+                print(f"round {r} {strategy:>14}: {result['tokens_per_second']:6.1f} tokens/s through the scheduler, "
+                      f"{result['steps']} steps, forward {result['forward_s']:.1f} s, host "
+                      f"{result['host_ms_per_step']:.2f} ms/step, drafts accepted {result['accepted']}/"
+                      f"{result['drafted']}", flush=True)
+            else:
+                result = run_batch(model, prompts, args.live, strategy, args.max_tokens)
+                print(f"round {r} {strategy:>14}: {result['tokens_per_second']:6.1f} tokens/s, {result['steps']} "
+                      f"steps ({result['prefill_steps']} with a prefill: {result['forward_ms_per_prefill_step']:.0f} ms "
+                      f"each), other steps {result['forward_ms_per_other_step']:.1f} ms, host "
+                      f"{result['host_ms_per_step']:.2f} ms/step, drafts accepted {result['accepted']}/"
+                      f"{result['drafted']}", flush=True)
             rounds[strategy].append(result)
-            print(f"round {r} {strategy:>14}: {result['tokens_per_second']:6.1f} tokens/s, {result['steps']} steps "
-                  f"({result['prefill_steps']} with a prefill: {result['forward_ms_per_prefill_step']:.0f} ms each), "
-                  f"other steps {result['forward_ms_per_other_step']:.1f} ms, host {result['host_ms_per_step']:.2f} "
-                  f"ms/step, drafts accepted {result['accepted']}/{result['drafted']}", flush=True)
     best = {s: max(rs, key=lambda x: x["tokens_per_second"]) for s, rs in rounds.items()}
-    report = {"benchmark": "continuous_batching", "live": args.live, "prompts": len(prompts),
+    report = {"benchmark": "continuous_batching", "scheduler": args.scheduler, "live": args.live, "prompts": len(prompts),
               "max_tokens": args.max_tokens, "linear": args.linear, "setup": setup_of(model).describe(),
               "cpu": cpu_name(), "best": best, "rounds": rounds, **conditions()}
     if "preset" in best and "autoregressive" in best:
