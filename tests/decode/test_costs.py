@@ -94,6 +94,16 @@ def test_in_a_batch_the_step_prices_the_padding_to_the_widest_sequence():
     assert draft_counts([(1, chain)], [6, 1, 1], costly) == [5]
 
 
+def random_costs(rng) -> ForwardCosts:
+    """Forward costs of a random machine: widths' seconds growing at random rates, and random batch terms."""
+    widths = sorted(rng.sample(range(2, 80), 6))
+    seconds = sorted(0.01 + rng.uniform(0.001, 0.01) * w ** rng.uniform(0.2, 1.0) for w in widths)
+    return ForwardCosts((1, *widths), (0.01, *seconds), padded_row=rng.choice([0.0, 0.001, 0.004]),
+                        masking=rng.choice([0.0, 0.002]), attention=rng.choice([0.0, 1e-6]),
+                        probe_context=rng.choice([0, 128]), probe_batch=rng.choice([0, 4]),
+                        split_attention=rng.random() < 0.5)
+
+
 def test_the_step_decision_skips_its_search_only_where_the_search_takes_nothing(monkeypatch):
     """`no_draft_pays` rules a step out without pricing every width's choices: over random batches, offers and costs
     the decision is the full search's, and the shortcut is taken in some of them (the wide batches of a CPU, where
@@ -110,12 +120,7 @@ def test_the_step_decision_skips_its_search_only_where_the_search_takes_nothing(
 
     rng, skipped = random.Random(0), 0
     for _ in range(400):
-        widths = sorted(rng.sample(range(2, 80), 6))
-        seconds = sorted(0.01 + rng.uniform(0.001, 0.01) * w ** rng.uniform(0.2, 1.0) for w in widths)
-        table = ForwardCosts((1, *widths), (0.01, *seconds), padded_row=rng.choice([0.0, 0.001, 0.004]),
-                             masking=rng.choice([0.0, 0.002]), attention=rng.choice([0.0, 1e-6]),
-                             probe_context=rng.choice([0, 128]), probe_batch=rng.choice([0, 4]),
-                             split_attention=rng.random() < 0.5)
+        table = random_costs(rng)
         offers = [(rng.choice([1, 1, 2]), tuple((rng.choice([1, 1, 2]), gain) for gain in
                                                 sorted((rng.random() ** 2 for _ in range(rng.randint(1, 5))),
                                                        reverse=True)))
@@ -148,11 +153,7 @@ def test_the_bound_checks_only_where_its_pieces_end_and_answers_as_checking_ever
 
     rng, answers = random.Random(2), []
     for _ in range(500):
-        widths = sorted(rng.sample(range(2, 80), 6))
-        seconds = sorted(0.01 + rng.uniform(0.001, 0.01) * w ** rng.uniform(0.2, 1.0) for w in widths)
-        table = ForwardCosts((1, *widths), (0.01, *seconds), masking=rng.choice([0.0, 0.002]),
-                             attention=rng.choice([0.0, 1e-6]), probe_context=rng.choice([0, 128]),
-                             probe_batch=rng.choice([0, 4]))
+        table = random_costs(rng)
         batch, columns = rng.randint(1, 12), rng.choice([0, 200, 1500])
         densities = sorted((rng.random() for _ in range(rng.randint(1, 6))), reverse=True)
         blocks = [(d, i, 1, rng.randint(1, 20), 0.0, 0) for i, d in enumerate(densities)]
@@ -171,12 +172,7 @@ def test_where_no_draft_of_the_bounds_could_pay_the_search_takes_none():
 
     rng, closed, opened = random.Random(1), 0, 0
     for _ in range(300):
-        widths = sorted(rng.sample(range(2, 80), 6))
-        seconds = sorted(0.01 + rng.uniform(0.001, 0.01) * w ** rng.uniform(0.2, 1.0) for w in widths)
-        table = ForwardCosts((1, *widths), (0.01, *seconds), padded_row=rng.choice([0.0, 0.001, 0.004]),
-                             masking=rng.choice([0.0, 0.002]), attention=rng.choice([0.0, 1e-6]),
-                             probe_context=rng.choice([0, 128]), probe_batch=rng.choice([0, 4]),
-                             split_attention=rng.random() < 0.5)
+        table = random_costs(rng)
         bounds = [(rng.randint(1, 8), rng.uniform(0.2, 1.0)) for _ in range(rng.randint(1, 8))]
         others, columns = [1] * rng.randint(0, 4), rng.choice([0, 200, 1500])
         if drafting_may_pay(bounds, others, table, columns):
