@@ -37,15 +37,23 @@ from refusion.model.setup import setup_of
 from refusion.serve.scheduler import DECODER_CAPACITY
 
 
-def run_batch(model, prompts: list[list[int]], live: int, strategy: str, max_tokens: int) -> dict:
-    """Decode `prompts` with at most `live` sequences at a time, each new one admitted when another finishes."""
+def strategy_config(setup, strategy: str, max_tokens: int):
+    """The config a request of `strategy` decodes with ("preset": the model's own, as the server's default) and its
+    special tokens."""
     from refusion.config import layered_config
-    from refusion.decode.loop import Decoder, default_config
+    from refusion.decode.loop import default_config
 
-    setup = setup_of(model)
     chosen = {"max_new_tokens": max_tokens, **({} if strategy == "preset" else {"strategy": strategy})}
     cfg = layered_config(default_config(setup).to_dict(), explicit=chosen)
-    tokens = setup.special_tokens.for_decoding(cfg)
+    return cfg, setup.special_tokens.for_decoding(cfg)
+
+
+def run_batch(model, prompts: list[list[int]], live: int, strategy: str, max_tokens: int) -> dict:
+    """Decode `prompts` with at most `live` sequences at a time, each new one admitted when another finishes."""
+    from refusion.decode.loop import Decoder
+
+    setup = setup_of(model)
+    cfg, tokens = strategy_config(setup, strategy, max_tokens)
     decoder = Decoder(model, capacity=DECODER_CAPACITY, setup=setup)  # as the server's scheduler starts it
     waiting = list(prompts)
 
@@ -85,14 +93,9 @@ def run_scheduler(model, tokenizer, prompts: list[list[int]], live: int, strateg
     """Decode `prompts` through the server's scheduler with `live` rows, every prompt submitted at once."""
     import threading
 
-    from refusion.config import layered_config
-    from refusion.decode.loop import default_config
     from refusion.serve.scheduler import Job, Scheduler
 
-    setup = setup_of(model)
-    chosen = {"max_new_tokens": max_tokens, **({} if strategy == "preset" else {"strategy": strategy})}
-    cfg = layered_config(default_config(setup).to_dict(), explicit=chosen)
-    tokens = setup.special_tokens.for_decoding(cfg)
+    cfg, tokens = strategy_config(setup_of(model), strategy, max_tokens)
     ended, out = threading.Semaphore(0), {"tokens": 0, "drafted": 0, "accepted": 0}
 
     def emit(event) -> None:

@@ -196,7 +196,7 @@ class Sequence:
     def commit_prompt(self) -> None:
         """After the prefill forward: the prompt joins the context (its pending entries; the cached prefix's
         already did)."""
-        positions = torch.arange(self.prompt_length, device=self.device)
+        positions = self.position_ids(0, self.prompt_length)
         self.cache.commit(self.id, positions[self.cached_prefix:])
         self.committed_tokens.append(self.prompt)
         self.committed_positions.append(positions)

@@ -16,13 +16,12 @@ def autoregressive_program(seq: Sequence) -> Program:
     prompt_length = seq.prompt_length
     logits = yield prefill(seq, torch.empty(0, dtype=torch.long, device=device), logits_from=prompt_length - 1)
     seq.commit_prompt()
-    positions = torch.arange(prompt_length, prompt_length + cfg.max_new_tokens, device=device)  # one copy for all
     group = torch.zeros(1, dtype=torch.long, device=device)
     for i in range(cfg.max_new_tokens):
         allowed = logits[-1] if seq.grammar is None else seq.grammar.mask(logits[-1])  # structured output
         token = decided_tokens(allowed[None], cfg.temperature, seq.noise, prompt_length + i)  # [1]
         logprobs = seq.logprobs_of(logits[-1:], token)  # None unless cfg.logprobs
-        position = positions[i:i + 1]
+        position = seq.position_ids(prompt_length + i, 1)
         token_ids = token.tolist()  # the one read back of a step
         eos = seq.is_eos_id(token_ids[0])
         last = eos or i == cfg.max_new_tokens - 1
