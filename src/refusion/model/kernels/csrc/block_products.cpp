@@ -270,16 +270,19 @@ REFUSION_AVX2 inline void direct8_avx2(const int8_t* y, const float* yd, const f
   __m256 acc[RT][OT];
   for (int r = 0; r < RT; ++r)
     for (int o = 0; o < OT; ++o) acc[r][o] = _mm256_setzero_ps();
+  // The OT outputs' rows of blocks lie one after another in memory, and the next OT outputs' right after them: each
+  // block step fetches as many bytes of the next outputs' rows as it reads of these, so the next call finds them in
+  // the CPU cache (each output's row alone is too short a stream for the hardware to fetch ahead of it).
+  constexpr int64_t kStep = OT * (FOUR ? kBlock / 2 : kBlock);  // bytes of blocks each step reads
+  const char* ahead = reinterpret_cast<const char*>(q + OT * q_row);
+  const char* scales_ahead = reinterpret_cast<const char*>(half_dm + OT * dm_row);  // and their scales, a line a step
+  const int64_t scale_bytes = OT * dm_row * static_cast<int64_t>(sizeof(at::Half));
   for (int64_t b = 0; b < B; ++b) {
     __m256i w[OT];
     __m256 d[OT];  // each output's block scale, in every lane
+    for (int64_t line = 0; line < kStep; line += 64) _mm_prefetch(ahead + b * kStep + line, _MM_HINT_T0);
+    if (b * 64 < scale_bytes) _mm_prefetch(scales_ahead + b * 64, _MM_HINT_T0);
     for (int o = 0; o < OT; ++o) {
-      if ((b & 3) == 0) {  // each output's blocks are a stream of their own: fetched ahead
-        _mm_prefetch(reinterpret_cast<const char*>(q + o * q_row + (b + 8) * (FOUR ? 16 : kBlock)), _MM_HINT_T0);
-        if (!FOUR) {
-          _mm_prefetch(reinterpret_cast<const char*>(q + o * q_row + (b + 8) * kBlock + 64), _MM_HINT_T0);
-        }
-      }
       if (FOUR) {
         __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + o * q_row + b * 16));
         w[o] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), nibble);
