@@ -36,6 +36,15 @@ constexpr int64_t kRowBlock = 64;  // rows multiplied by a tile before the next 
 constexpr int64_t kMaxBlocks = 2048;  // blocks per row of the weight (K up to 65,536 features)
 
 // ------------------------------------------------------------------------------------------------ any CPU
+// asks the CPU to bring `bytes` from `p` on into its cache (a hint: no effect on any result)
+inline void fetch_ahead(const void* p, int64_t bytes) {
+#if defined(__GNUC__) || defined(__clang__)
+  const char* first = static_cast<const char*>(p);
+  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(first + line);
+  if (bytes > 0) __builtin_prefetch(first + bytes - 1);  // the last line, where `p` starts mid-line
+#endif
+}
+
 // w[k] of one output: 4-bit blocks (16 bytes each) or 8-bit ones (32 signed bytes each)
 void dequantize_portable(const uint8_t* q, bool four_bit, const at::Half* dm, int64_t K, float* w) {
   for (int64_t b = 0; b < K / kBlock; ++b) {
@@ -438,6 +447,10 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
         if (t < tiles) {
           for (int64_t o = 0; o < kTile; ++o) {
             int64_t n = t * kTile + o;
+            if (t + 1 < tiles) {  // the same output of the next tile, fetched while this one is widened
+              fetch_ahead(qs + (n + kTile) * q_row, q_row);
+              fetch_ahead(dms + (n + kTile) * dm_row, dm_row * static_cast<int64_t>(sizeof(at::Half)));
+            }
             (avx2 ? dequantize_avx2 : dequantize_portable)(qs + n * q_row, four_bit, dms + n * dm_row, K,
                                                            w.get() + o * K);
           }
