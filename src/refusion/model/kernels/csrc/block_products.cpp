@@ -265,6 +265,24 @@ REFUSION_AVX2 void quantize_block_avx2(const float* x, int8_t* q, float* d, floa
   *s = *d * static_cast<float>(_mm_cvtsi128_si32(t));
 }
 
+// block b of one output's row of blocks as 32 bytes: 0..15 (4-bit blocks) or -128..127 (8-bit)
+template <bool FOUR>
+REFUSION_AVX2 inline __m256i block_bytes(const uint8_t* q, int64_t b, __m256i nibble) {
+  if (FOUR) {
+    __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), nibble);
+  }
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * kBlock));
+}
+
+// the 8 lanes of a block's byte products w·v, lane l summing the products 4l..4l+3 exactly, as fp32
+template <bool FOUR>
+REFUSION_AVX2 inline __m256 block_sum(__m256i w, __m256i v, __m256i ones) {
+  __m256i pairs = FOUR ? _mm256_maddubs_epi16(w, v)  // 0..15 times a signed byte
+                       : _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(v, w));
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+}
+
 // RT rows by OT outputs (from `q` and `half_dm`, rows q_row and dm_row apart), each output's blocks widened in
 // registers as they are read; the sums tile8_portable adds, in its order (every (row, output) its own chain of
 // multiply-adds: OT * RT chains side by side)
@@ -287,27 +305,36 @@ REFUSION_AVX2 inline void direct8_avx2(const int8_t* y, const float* yd, const f
   const char* scales_ahead = reinterpret_cast<const char*>(half_dm + OT * dm_row);  // and their scales, a line a step
   const int64_t scale_bytes = OT * dm_row * static_cast<int64_t>(sizeof(at::Half));
   for (int64_t b = 0; b < B; ++b) {
-    __m256i w[OT];
-    __m256 d[OT];  // each output's block scale, in every lane
     for (int64_t line = 0; line < kStep; line += 64) _mm_prefetch(ahead + b * kStep + line, _MM_HINT_T0);
     if (b * 64 < scale_bytes) _mm_prefetch(scales_ahead + b * 64, _MM_HINT_T0);
-    for (int o = 0; o < OT; ++o) {
-      if (FOUR) {
-        __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + o * q_row + b * 16));
-        w[o] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), nibble);
-      } else {
-        w[o] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + o * q_row + b * kBlock));
+    if constexpr (RT <= 2) {  // one or two rows: each output's block widened and taken by every row in turn
+      __m256i v[RT];
+      __m256 row_scale[RT];
+      for (int r = 0; r < RT; ++r) {
+        v[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + r * K + b * kBlock));
+        row_scale[r] = _mm256_broadcast_ss(yd + r * B + b);
       }
-      d[o] = _mm256_set1_ps(_cvtsh_ss(bits[o * dm_row + 2 * b]));
-    }
-    for (int r = 0; r < RT; ++r) {
-      __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + r * K + b * kBlock));
-      const __m256 row_scale = _mm256_broadcast_ss(yd + r * B + b);
       for (int o = 0; o < OT; ++o) {
-        __m256i pairs = FOUR ? _mm256_maddubs_epi16(w[o], v)  // 0..15 times a signed byte
-                             : _mm256_maddubs_epi16(_mm256_sign_epi8(w[o], w[o]), _mm256_sign_epi8(v, w[o]));
-        __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-        acc[r][o] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d[o], row_scale), acc[r][o]);  // d_w * d rounded, as alone
+        const __m256i w = block_bytes<FOUR>(q + o * q_row, b, nibble);
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss(bits[o * dm_row + 2 * b]));  // the block's scale, in every lane
+        for (int r = 0; r < RT; ++r) {
+          // d_w * d rounded once, as the row alone rounds it
+          acc[r][o] = _mm256_fmadd_ps(block_sum<FOUR>(w, v[r], ones), _mm256_mul_ps(d, row_scale[r]), acc[r][o]);
+        }
+      }
+    } else {  // more rows: every output's block widened first, then each row takes them all
+      __m256i w[OT];
+      __m256 d[OT];
+      for (int o = 0; o < OT; ++o) {
+        w[o] = block_bytes<FOUR>(q + o * q_row, b, nibble);
+        d[o] = _mm256_set1_ps(_cvtsh_ss(bits[o * dm_row + 2 * b]));
+      }
+      for (int r = 0; r < RT; ++r) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + r * K + b * kBlock));
+        const __m256 row_scale = _mm256_broadcast_ss(yd + r * B + b);
+        for (int o = 0; o < OT; ++o) {
+          acc[r][o] = _mm256_fmadd_ps(block_sum<FOUR>(w[o], v, ones), _mm256_mul_ps(d[o], row_scale), acc[r][o]);
+        }
       }
     }
   }
