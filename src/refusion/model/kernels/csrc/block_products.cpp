@@ -11,6 +11,11 @@
 // Each call reads the weights once: a tile of kTile outputs is dequantized into a buffer that every row is then
 // multiplied by, three or two rows by four outputs at a time, or one row by eight. Rows of the weight that the file
 // has no blocks for (an LM head grown by added tokens) follow the blocks' as fp32 rows, summed the same way.
+//
+// With int8_rows ("int4-q8") the rows are rounded to 8-bit blocks and each block pair's bytes multiply in integers
+// (tile8_portable says in which order the sums are taken). The AVX2 path widens a tile's scales and offsets to fp32
+// once, transposed (tile_scales_avx2), reads the blocks straight from memory for up to eight rows at a time, and sums
+// the offsets of the tile's outputs in the lanes of one vector per row.
 
 #include "block_products.h"
 
@@ -283,109 +288,126 @@ REFUSION_AVX2 inline __m256 block_sum(__m256i w, __m256i v, __m256i ones) {
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
 }
 
-// RT rows by OT outputs (from `q` and `half_dm`, rows q_row and dm_row apart), each output's blocks widened in
-// registers as they are read; the sums tile8_portable adds, in its order (every (row, output) its own chain of
-// multiply-adds: OT * RT chains side by side)
+// [d0..d7 | m0..m7] of the 8 words (d, m) of one block's outputs, widened to fp32: d to d[0..7], m to m[0..7]
+REFUSION_AVX2 inline void split_scales(__m256i pairs, float* d, float* m) {
+  // [d0..d3 m0..m3 | d4..d7 m4..m7] as 16-bit halves, then [d0..d7 | m0..m7]
+  const __m256i halves = _mm256_permute4x64_epi64(
+      _mm256_packus_epi32(_mm256_and_si256(pairs, _mm256_set1_epi32(0xffff)), _mm256_srli_epi32(pairs, 16)), 0xd8);
+  _mm256_storeu_ps(d, _mm256_cvtph_ps(_mm256_castsi256_si128(halves)));
+  _mm256_storeu_ps(m, _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1)));
+}
+
+// One tile's block scales and offsets widened to fp32 and transposed block by block, d[b * kTile + o] and m[...]
+// likewise: eight blocks of the kTile outputs' (d, m) words at a time, transposed in registers
+REFUSION_AVX2 void tile_scales_avx2(const at::Half* half_dm, int64_t B, float* d, float* m) {
+  const int* words = reinterpret_cast<const int*>(half_dm);  // (d, m) of block b of output o: words[o * B + b]
+  if (B < 8) {
+    for (int64_t b = 0; b < B; ++b) {
+      split_scales(_mm256_setr_epi32(words[b], words[B + b], words[2 * B + b], words[3 * B + b], words[4 * B + b],
+                                     words[5 * B + b], words[6 * B + b], words[7 * B + b]),
+                   d + b * kTile, m + b * kTile);
+    }
+    return;
+  }
+  for (int64_t group = 0; group < B; group += 8) {
+    const int64_t b = std::min(group, B - 8);  // the last eight blocks end the row (some written twice, the same)
+    __m256i t[8], u[8];
+    for (int o = 0; o < 8; ++o) t[o] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + o * B + b));
+    for (int o = 0; o < 8; o += 2) {
+      u[o] = _mm256_unpacklo_epi32(t[o], t[o + 1]);
+      u[o + 1] = _mm256_unpackhi_epi32(t[o], t[o + 1]);
+    }
+    for (int o = 0; o < 8; o += 4) {
+      t[o] = _mm256_unpacklo_epi64(u[o], u[o + 2]);
+      t[o + 1] = _mm256_unpackhi_epi64(u[o], u[o + 2]);
+      t[o + 2] = _mm256_unpacklo_epi64(u[o + 1], u[o + 3]);
+      t[o + 3] = _mm256_unpackhi_epi64(u[o + 1], u[o + 3]);
+    }
+    // t[i] and t[4 + i]: blocks i and 4 + i of outputs 0..3 and 4..7 in their two halves
+    for (int i = 0; i < 4; ++i) {
+      split_scales(_mm256_permute2x128_si256(t[i], t[4 + i], 0x20), d + (b + i) * kTile, m + (b + i) * kTile);
+      split_scales(_mm256_permute2x128_si256(t[i], t[4 + i], 0x31), d + (b + 4 + i) * kTile, m + (b + 4 + i) * kTile);
+    }
+  }
+}
+
+// Every loop over the rows or outputs of direct8_avx2 is unrolled before the compiler places its sums: otherwise GCC
+// keeps them in memory as well as in registers and stores them at every block step.
+#define REFUSION_UNROLL _Pragma("GCC unroll 8")
+
+// RT rows by OT outputs (from `q`, rows q_row apart, whose block scales are `d`: tile_scales_avx2's), each output's
+// blocks widened in registers as they are read: the lane sums tile8_portable adds, in its order (every (row, output)
+// its own chain of multiply-adds: OT * RT chains side by side), without the offsets
 template <int RT, int OT, bool FOUR>
-REFUSION_AVX2 inline void direct8_avx2(const int8_t* y, const float* yd, const float* ys, int64_t K,
-                                       const uint8_t* q, int64_t q_row, const at::Half* half_dm, int64_t dm_row,
-                                       float* out, int64_t N) {
+REFUSION_AVX2 inline void direct8_avx2(const int8_t* y, const float* yd, int64_t K, const uint8_t* q, int64_t q_row,
+                                       const float* d, float* out, int64_t N) {
   const int64_t B = K / kBlock;
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(half_dm);
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i nibble = _mm256_set1_epi8(15);
   __m256 acc[RT][OT];
-  for (int r = 0; r < RT; ++r)
-    for (int o = 0; o < OT; ++o) acc[r][o] = _mm256_setzero_ps();
+  REFUSION_UNROLL for (int r = 0; r < RT; ++r)
+    REFUSION_UNROLL for (int o = 0; o < OT; ++o) acc[r][o] = _mm256_setzero_ps();
   // The OT outputs' rows of blocks lie one after another in memory, and the next OT outputs' right after them: each
   // block step fetches as many bytes of the next outputs' rows as it reads of these, so the next call finds them in
   // the CPU cache (each output's row alone is too short a stream for the hardware to fetch ahead of it).
   constexpr int64_t kStep = OT * (FOUR ? kBlock / 2 : kBlock);  // bytes of blocks each step reads
   const char* ahead = reinterpret_cast<const char*>(q + OT * q_row);
-  const char* scales_ahead = reinterpret_cast<const char*>(half_dm + OT * dm_row);  // and their scales, a line a step
-  const int64_t scale_bytes = OT * dm_row * static_cast<int64_t>(sizeof(at::Half));
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t line = 0; line < kStep; line += 64) _mm_prefetch(ahead + b * kStep + line, _MM_HINT_T0);
-    if (b * 64 < scale_bytes) _mm_prefetch(scales_ahead + b * 64, _MM_HINT_T0);
-    if constexpr (RT <= 2) {  // one or two rows: each output's block widened and taken by every row in turn
-      __m256i v[RT];
-      __m256 row_scale[RT];
-      for (int r = 0; r < RT; ++r) {
-        v[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + r * K + b * kBlock));
-        row_scale[r] = _mm256_broadcast_ss(yd + r * B + b);
-      }
-      for (int o = 0; o < OT; ++o) {
-        const __m256i w = block_bytes<FOUR>(q + o * q_row, b, nibble);
-        const __m256 d = _mm256_set1_ps(_cvtsh_ss(bits[o * dm_row + 2 * b]));  // the block's scale, in every lane
-        for (int r = 0; r < RT; ++r) {
-          // d_w * d rounded once, as the row alone rounds it
-          acc[r][o] = _mm256_fmadd_ps(block_sum<FOUR>(w, v[r], ones), _mm256_mul_ps(d, row_scale[r]), acc[r][o]);
-        }
-      }
-    } else {  // more rows: every output's block widened first, then each row takes them all
-      __m256i w[OT];
-      __m256 d[OT];
-      for (int o = 0; o < OT; ++o) {
-        w[o] = block_bytes<FOUR>(q + o * q_row, b, nibble);
-        d[o] = _mm256_set1_ps(_cvtsh_ss(bits[o * dm_row + 2 * b]));
-      }
-      for (int r = 0; r < RT; ++r) {
+    REFUSION_UNROLL for (int o = 0; o < OT; ++o) {  // each output's block widened and taken by every row in turn
+      const __m256i w = block_bytes<FOUR>(q + o * q_row, b, nibble);
+      const __m256 scale = _mm256_broadcast_ss(d + b * kTile + o);  // the block's scale, in every lane
+      REFUSION_UNROLL for (int r = 0; r < RT; ++r) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + r * K + b * kBlock));
-        const __m256 row_scale = _mm256_broadcast_ss(yd + r * B + b);
-        for (int o = 0; o < OT; ++o) {
-          acc[r][o] = _mm256_fmadd_ps(block_sum<FOUR>(w[o], v, ones), _mm256_mul_ps(d[o], row_scale), acc[r][o]);
-        }
+        // d_w * d rounded once, as the row alone rounds it
+        acc[r][o] = _mm256_fmadd_ps(block_sum<FOUR>(w, v, ones),
+                                    _mm256_mul_ps(scale, _mm256_broadcast_ss(yd + r * B + b)), acc[r][o]);
       }
     }
   }
-  float offsets[RT][OT] = {};
-  for (int64_t b = 0; b < B; ++b) {
-    float m[OT];
-    for (int o = 0; o < OT; ++o) m[o] = _cvtsh_ss(bits[o * dm_row + 2 * b + 1]);
-    for (int r = 0; r < RT; ++r)
-      for (int o = 0; o < OT; ++o) offsets[r][o] = std::fma(m[o], ys[r * B + b], offsets[r][o]);
-  }
-  for (int r = 0; r < RT; ++r)
-    for (int o = 0; o < OT; ++o) out[r * N + o] = sum_avx2(acc[r][o]) + offsets[r][o];
+  REFUSION_UNROLL for (int r = 0; r < RT; ++r)
+    REFUSION_UNROLL for (int o = 0; o < OT; ++o) out[r * N + o] = sum_avx2(acc[r][o]);
 }
 
-// up to four rows of one tile's kTile outputs
+// up to eight rows of one tile's kTile outputs: the more rows, the fewer outputs at a time (the sums stay in registers)
 template <bool FOUR>
-REFUSION_AVX2 void direct8_tile_avx2(const int8_t* y, const float* yd, const float* ys, int64_t rows, int64_t K,
-                                     const uint8_t* q, int64_t q_row, const at::Half* dm, int64_t dm_row, float* out,
-                                     int64_t N) {
+REFUSION_AVX2 void direct8_tile_avx2(const int8_t* y, const float* yd, int64_t rows, int64_t K, const uint8_t* q,
+                                     int64_t q_row, const float* d, float* out, int64_t N) {
+  auto outputs = [&](auto product, int64_t step) {
+    for (int64_t o = 0; o < kTile; o += step) product(y, yd, K, q + o * q_row, q_row, d + o, out + o, N);
+  };
   switch (rows) {
-    case 1:
-      for (int64_t o = 0; o < kTile; o += 4) {
-        direct8_avx2<1, 4, FOUR>(y, yd, ys, K, q + o * q_row, q_row, dm + o * dm_row, dm_row, out + o, N);
-      }
-      break;
-    case 2:
-      for (int64_t o = 0; o < kTile; o += 4) {
-        direct8_avx2<2, 4, FOUR>(y, yd, ys, K, q + o * q_row, q_row, dm + o * dm_row, dm_row, out + o, N);
-      }
-      break;
-    case 3:
-      for (int64_t o = 0; o < kTile; o += 2) {
-        direct8_avx2<3, 2, FOUR>(y, yd, ys, K, q + o * q_row, q_row, dm + o * dm_row, dm_row, out + o, N);
-      }
-      break;
-    default:
-      for (int64_t o = 0; o < kTile; o += 2) {
-        direct8_avx2<4, 2, FOUR>(y, yd, ys, K, q + o * q_row, q_row, dm + o * dm_row, dm_row, out + o, N);
-      }
+    case 1: return outputs(direct8_avx2<1, 4, FOUR>, 4);
+    case 2: return outputs(direct8_avx2<2, 4, FOUR>, 4);
+    case 3: return outputs(direct8_avx2<3, 2, FOUR>, 2);
+    case 4: return outputs(direct8_avx2<4, 2, FOUR>, 2);
+    case 5: return outputs(direct8_avx2<5, 1, FOUR>, 1);
+    case 6: return outputs(direct8_avx2<6, 1, FOUR>, 1);
+    case 7: return outputs(direct8_avx2<7, 1, FOUR>, 1);
+    default: return outputs(direct8_avx2<8, 1, FOUR>, 1);
   }
 }
 
-// one tile's kTile outputs for every row, four rows at a time (the tile's blocks stay in the CPU cache)
+// one tile's kTile outputs for every row, eight rows at a time (the tile's blocks stay in the CPU cache), then each
+// row's offsets sum_b m[o, b] * s[r, b], the tile's outputs in the lanes of one vector, added to its lane sums
 REFUSION_AVX2 void tile8_avx2(const int8_t* y, const float* yd, const float* ys, int64_t rows, int64_t K,
                               const uint8_t* q, int64_t q_row, bool four_bit, const at::Half* dm, int64_t dm_row,
-                              float* out, int64_t N) {
+                              float* scales, float* out, int64_t N) {
   const int64_t B = K / kBlock;
-  for (int64_t r = 0; r < rows; r += 4) {
-    (four_bit ? direct8_tile_avx2<true> : direct8_tile_avx2<false>)(y + r * K, yd + r * B, ys + r * B,
-                                                                     std::min<int64_t>(4, rows - r), K, q, q_row, dm,
-                                                                     dm_row, out + r * N, N);
+  float* d = scales;
+  float* m = scales + B * kTile;
+  tile_scales_avx2(dm, B, d, m);
+  fetch_ahead(dm + kTile * dm_row, kTile * dm_row * static_cast<int64_t>(sizeof(at::Half)));  // the next tile's
+  for (int64_t r = 0; r < rows; r += 8) {
+    (four_bit ? direct8_tile_avx2<true> : direct8_tile_avx2<false>)(y + r * K, yd + r * B, std::min<int64_t>(8, rows - r),
+                                                                     K, q, q_row, d, out + r * N, N);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    __m256 offsets = _mm256_setzero_ps();
+    for (int64_t b = 0; b < B; ++b) {
+      offsets = _mm256_fmadd_ps(_mm256_loadu_ps(m + b * kTile), _mm256_broadcast_ss(ys + r * B + b), offsets);
+    }
+    _mm256_storeu_ps(out + r * N, _mm256_add_ps(_mm256_loadu_ps(out + r * N), offsets));
   }
 }
 
@@ -400,7 +422,7 @@ void dequantize_avx2(const uint8_t*, bool, const at::Half*, int64_t, float*) {}
 void tile_avx2(const float*, int64_t, int64_t, const float*, float*, int64_t) {}
 void quantize_block_avx2(const float*, int8_t*, float*, float*) {}
 void tile8_avx2(const int8_t*, const float*, const float*, int64_t, int64_t, const uint8_t*, int64_t, bool,
-                const at::Half*, int64_t, float*, int64_t) {}
+                const at::Half*, int64_t, float*, float*, int64_t) {}
 #endif
 
 }  // namespace
@@ -452,6 +474,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
       std::unique_ptr<float[]> w;  // the fp32 tile (allocated on first use, not zeroed: every use writes it first)
       std::vector<float> last;  // a tail tile's outputs, of which the first `extra % kTile` are kept
       Tile8 t8;
+      std::vector<float> scales;  // the AVX2 int8 path's tile scales and offsets (tile_scales_avx2)
       if (int8_rows && !avx2) {
         t8.w.resize(kTile * K);
         t8.dw.resize(kTile * B);
@@ -462,8 +485,9 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
         if (t < tiles && int8_rows) {
           const int64_t n = t * kTile;
           if (avx2) {
+            if (scales.empty()) scales.resize(2 * B * kTile);
             tile8_avx2(rows8.q.data(), rows8.d.data(), rows8.s.data(), rows, K, qs + n * q_row, q_row, four_bit,
-                       dms + n * dm_row, dm_row, outs + n, N);
+                       dms + n * dm_row, dm_row, scales.data(), outs + n, N);
             continue;
           }
           unpack_tile_portable(qs + n * q_row, four_bit, dms + n * dm_row, K, q_row, dm_row, t8);
