@@ -101,23 +101,26 @@ def int8_rows_reference(x: torch.Tensor, blocks: Int4Blocks) -> torch.Tensor:
 
 
 @needs_native
-@pytest.mark.parametrize("kind,extra_rows", [("Q4_0", 0), ("Q4_1", 0), ("Q8_0", 0), ("Q8_0", 3)])
+@pytest.mark.parametrize("kind,extra_rows,groups", [("Q4_0", 0, 8), ("Q4_1", 0, 8), ("Q4_1", 0, 18), ("Q8_0", 0, 8),
+                                                    ("Q8_0", 3, 18), ("Q4_1", 0, 3)])
 @torch.no_grad()
-def test_int8_rows_multiply_as_llama_cpp_and_every_row_comes_out_as_alone(kind, extra_rows):
+def test_int8_rows_multiply_as_llama_cpp_and_every_row_comes_out_as_alone(kind, extra_rows, groups):
     """int4-q8: rows rounded to 8-bit blocks and multiplied in integers (the reference's value to fp32 rounding), each
     row bit for bit whatever the rows with it (few rows and many run different loops) and the threads; rows the
-    blocks lack multiply the fp32 rows as they are."""
-    layer, blocks = layer_on_blocks(8 * GROUP, 48, bias=True, dtype=torch.float32, kind=kind, extra_rows=extra_rows)
+    blocks lack multiply the fp32 rows as they are. Blocks a row: 8, 18 (the embedded model's 576 features, where
+    the kernel's scales are read eight blocks at a time, the last eight overlapping) and 3 (fewer than eight)."""
+    layer, blocks = layer_on_blocks(groups * GROUP, 48, bias=True, dtype=torch.float32, kind=kind,
+                                    extra_rows=extra_rows)
     bias, tail = layer.bias.detach().clone(), layer.weight.detach()[48:].clone()
     int4.switch_to_int4(layer, *int4.pack(blocks, torch.float32), int4.Int4Q8Linear)
-    x = torch.randn(140, 8 * GROUP)  # past the kernel's blocks of 64 rows
+    x = torch.randn(140, groups * GROUP)  # past the kernel's blocks of 64 rows
     x[3] = 0.0  # a row of zeros: scale 0
     out = layer(x)
     expected = int8_rows_reference(x, blocks) + bias[:48].double()
     torch.testing.assert_close(out[:, :48].double(), expected, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(out[:, 48:], x @ tail.t() + bias[48:], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(out, x @ layer.weight.t() + bias, rtol=1e-5, atol=1e-5)  # the rows were rounded
-    assert_rows_as_alone(layer, x, (1, 2, 3, 4, 5, 8, 33, 70, 140))
+    assert_rows_as_alone(layer, x, (1, 2, 3, 4, 5, 6, 7, 8, 9, 33, 70, 140))
     assert int4.int8_rows_match()
 
 
