@@ -66,19 +66,23 @@ def assert_rows_as_alone(layer: nn.Module, x: torch.Tensor, widths: tuple[int, .
 
 
 @needs_native
-@pytest.mark.parametrize("kind,extra_rows", [("Q4_0", 0), ("Q4_1", 0), ("Q8_0", 0), ("Q8_0", 3), ("Q4_1", 11)])
+@pytest.mark.parametrize("kind,extra_rows,groups", [("Q4_0", 0, 4), ("Q4_1", 0, 4), ("Q8_0", 0, 4), ("Q8_0", 3, 4),
+                                                    ("Q4_1", 11, 4), ("Q4_1", 0, 18), ("Q8_0", 3, 18)])
 @torch.no_grad()
-def test_fp32_products_are_the_files_weights_and_every_row_comes_out_as_alone(kind, extra_rows, monkeypatch):
+def test_fp32_products_are_the_files_weights_and_every_row_comes_out_as_alone(kind, extra_rows, groups, monkeypatch):
     """fp32 rows by refusion's kernel: F.linear's values on the same weights (which are the blocks' exactly), each
-    row bit for bit whatever the rows with it and the threads; rows the blocks lack multiply as they are."""
-    layer, blocks = layer_on_blocks(4 * GROUP, 48, bias=True, dtype=torch.float32, kind=kind, extra_rows=extra_rows)
-    reference = nn.Linear(4 * GROUP, 48 + extra_rows, bias=True)
+    row bit for bit whatever the rows with it and the threads (one row widens no tile into memory); rows the blocks
+    lack multiply as they are. Blocks a row: 4, and 18 (the embedded model's 576 features)."""
+    layer, blocks = layer_on_blocks(groups * GROUP, 48, bias=True, dtype=torch.float32, kind=kind,
+                                    extra_rows=extra_rows)
+    reference = nn.Linear(groups * GROUP, 48 + extra_rows, bias=True)
     reference.load_state_dict(layer.state_dict())
     assert int4.can_switch(layer, 48, blocks.bits)
     int4.check_blocks(layer, blocks)
     int4.switch_to_int4(layer, *int4.pack(blocks, torch.float32))
-    x = torch.randn(2, 70, 4 * GROUP)  # 140 rows: past the kernel's blocks of 64 rows
+    x = torch.randn(2, 70, groups * GROUP)  # 140 rows: past the kernel's blocks of 64 rows
     torch.testing.assert_close(layer(x), reference(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(x[:1, :1]), reference(x[:1, :1]), rtol=1e-5, atol=1e-5)  # one row alone
     assert_rows_as_alone(layer, x, (1, 2, 3, 5, 8, 33, 70))
     assert set(layer.state_dict()) == {"weight", "bias"}
     with torch.enable_grad():  # training takes the plain weight, with autograd

@@ -411,6 +411,36 @@ REFUSION_AVX2 void tile8_avx2(const int8_t* y, const float* yd, const float* ys,
   }
 }
 
+// One row of fp32 times one tile's kTile outputs without widening the tile into a buffer: each output's block is
+// widened in registers (as dequantize_avx2 widens it, from tile_scales_avx2's scales and offsets) and multiplied by
+// the row's at once, four outputs side by side: the sums dot_avx2 adds, in its order (so the same bits as the tile)
+REFUSION_AVX2 void row_tile_avx2(const float* x, int64_t K, const uint8_t* q, int64_t q_row, bool four_bit,
+                                 const at::Half* dm, int64_t dm_row, float* scales, float* out) {
+  const int64_t B = K / kBlock;
+  const float* d = scales;
+  const float* m = scales + B * kTile;
+  tile_scales_avx2(dm, B, scales, scales + B * kTile);
+  fetch_ahead(dm + kTile * dm_row, kTile * dm_row * static_cast<int64_t>(sizeof(at::Half)));  // the next tile's
+  for (int64_t first = 0; first < kTile; first += 4) {
+    __m256 acc[4];
+    REFUSION_UNROLL for (int o = 0; o < 4; ++o) acc[o] = _mm256_setzero_ps();
+    const uint8_t* next = q + (first + 4) * q_row;  // the next outputs' blocks, fetched as these are read
+    const int64_t step = four_bit ? 4 * kBlock / 2 : 4 * kBlock;
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t line = 0; line < step; line += 64) _mm_prefetch(reinterpret_cast<const char*>(next + b * step + line), _MM_HINT_T0);
+      REFUSION_UNROLL for (int o = 0; o < 4; ++o) {
+        __m256 w[4];
+        block_weights_avx2(q + (first + o) * q_row, four_bit, b, _mm256_broadcast_ss(d + b * kTile + first + o),
+                           _mm256_broadcast_ss(m + b * kTile + first + o), w);
+        REFUSION_UNROLL for (int j = 0; j < 4; ++j) {
+          acc[o] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(x + b * kBlock + j * kLanes), acc[o]);
+        }
+      }
+    }
+    REFUSION_UNROLL for (int o = 0; o < 4; ++o) out[first + o] = sum_avx2(acc[o]);
+  }
+}
+
 bool has_avx2() {
   static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                           __builtin_cpu_supports("f16c");
@@ -420,6 +450,7 @@ bool has_avx2() {
 bool has_avx2() { return false; }
 void dequantize_avx2(const uint8_t*, bool, const at::Half*, int64_t, float*) {}
 void tile_avx2(const float*, int64_t, int64_t, const float*, float*, int64_t) {}
+void row_tile_avx2(const float*, int64_t, const uint8_t*, int64_t, bool, const at::Half*, int64_t, float*, float*) {}
 void quantize_block_avx2(const float*, int8_t*, float*, float*) {}
 void tile8_avx2(const int8_t*, const float*, const float*, int64_t, int64_t, const uint8_t*, int64_t, bool,
                 const at::Half*, int64_t, float*, float*, int64_t) {}
@@ -474,7 +505,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
       std::unique_ptr<float[]> w;  // the fp32 tile (allocated on first use, not zeroed: every use writes it first)
       std::vector<float> last;  // a tail tile's outputs, of which the first `extra % kTile` are kept
       Tile8 t8;
-      std::vector<float> scales;  // the AVX2 int8 path's tile scales and offsets (tile_scales_avx2)
+      std::vector<float> scales;  // the AVX2 paths' tile scales and offsets (tile_scales_avx2)
       if (int8_rows && !avx2) {
         t8.w.resize(kTile * K);
         t8.dw.resize(kTile * B);
@@ -492,6 +523,12 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
           }
           unpack_tile_portable(qs + n * q_row, four_bit, dms + n * dm_row, K, q_row, dm_row, t8);
           tile8_portable(rows8.q.data(), rows8.d.data(), rows8.s.data(), rows, K, t8, outs + n, N);
+          continue;
+        }
+        if (t < tiles && rows == 1 && avx2) {  // one row: no tile widened into memory
+          if (scales.empty()) scales.resize(2 * B * kTile);
+          const int64_t n = t * kTile;
+          row_tile_avx2(xs, K, qs + n * q_row, q_row, four_bit, dms + n * dm_row, dm_row, scales.data(), outs + n);
           continue;
         }
         if (!w) w.reset(new float[kTile * K]);
