@@ -9,8 +9,9 @@
 // are AR's one-row forwards), with AVX2 and FMA on x86 and lane by lane with std::fma elsewhere: the same bits.
 //
 // Each call reads the weights once: a tile of kTile outputs is dequantized into a buffer that every row is then
-// multiplied by, three or two rows by four outputs at a time, or one row by eight. Rows of the weight that the file
-// has no blocks for (an LM head grown by added tokens) follow the blocks' as fp32 rows, summed the same way.
+// multiplied by, three or two rows by four outputs at a time (a last row by eight); a call of one row multiplies
+// each output's blocks as they are widened in registers (row_tile_avx2). Rows of the weight that the file has no
+// blocks for (an LM head grown by added tokens) follow the blocks' as fp32 rows, summed the same way.
 //
 // With int8_rows ("int4-q8") the rows are rounded to 8-bit blocks and each block pair's bytes multiply in integers
 // (tile8_portable says in which order the sums are taken). The AVX2 path widens a tile's scales and offsets to fp32
