@@ -299,8 +299,11 @@ REFUSION_AVX2 inline void split_scales(__m256i pairs, float* d, float* m) {
 }
 
 // One tile's block scales and offsets widened to fp32 and transposed block by block, d[b * kTile + o] and m[...]
-// likewise: eight blocks of the kTile outputs' (d, m) words at a time, transposed in registers
-REFUSION_AVX2 void tile_scales_avx2(const at::Half* half_dm, int64_t B, float* d, float* m) {
+// likewise: eight blocks of the kTile outputs' (d, m) words at a time, transposed in registers; the next tile's are
+// fetched meanwhile
+REFUSION_AVX2 void tile_scales_avx2(const at::Half* half_dm, int64_t dm_row, float* d, float* m) {
+  const int64_t B = dm_row / 2;
+  fetch_ahead(half_dm + kTile * dm_row, kTile * dm_row * static_cast<int64_t>(sizeof(at::Half)));
   const int* words = reinterpret_cast<const int*>(half_dm);  // (d, m) of block b of output o: words[o * B + b]
   if (B < 8) {
     for (int64_t b = 0; b < B; ++b) {
@@ -397,11 +400,10 @@ REFUSION_AVX2 void tile8_avx2(const int8_t* y, const float* yd, const float* ys,
   const int64_t B = K / kBlock;
   float* d = scales;
   float* m = scales + B * kTile;
-  tile_scales_avx2(dm, B, d, m);
-  fetch_ahead(dm + kTile * dm_row, kTile * dm_row * static_cast<int64_t>(sizeof(at::Half)));  // the next tile's
+  tile_scales_avx2(dm, dm_row, d, m);
   for (int64_t r = 0; r < rows; r += 8) {
-    (four_bit ? direct8_tile_avx2<true> : direct8_tile_avx2<false>)(y + r * K, yd + r * B, std::min<int64_t>(8, rows - r),
-                                                                     K, q, q_row, d, out + r * N, N);
+    auto product = four_bit ? direct8_tile_avx2<true> : direct8_tile_avx2<false>;
+    product(y + r * K, yd + r * B, std::min<int64_t>(8, rows - r), K, q, q_row, d, out + r * N, N);
   }
   for (int64_t r = 0; r < rows; ++r) {
     __m256 offsets = _mm256_setzero_ps();
@@ -418,17 +420,16 @@ REFUSION_AVX2 void tile8_avx2(const int8_t* y, const float* yd, const float* ys,
 REFUSION_AVX2 void row_tile_avx2(const float* x, int64_t K, const uint8_t* q, int64_t q_row, bool four_bit,
                                  const at::Half* dm, int64_t dm_row, float* scales, float* out) {
   const int64_t B = K / kBlock;
-  const float* d = scales;
-  const float* m = scales + B * kTile;
-  tile_scales_avx2(dm, B, scales, scales + B * kTile);
-  fetch_ahead(dm + kTile * dm_row, kTile * dm_row * static_cast<int64_t>(sizeof(at::Half)));  // the next tile's
+  float* d = scales;
+  float* m = scales + B * kTile;
+  tile_scales_avx2(dm, dm_row, d, m);
   for (int64_t first = 0; first < kTile; first += 4) {
     __m256 acc[4];
     REFUSION_UNROLL for (int o = 0; o < 4; ++o) acc[o] = _mm256_setzero_ps();
     const uint8_t* next = q + (first + 4) * q_row;  // the next outputs' blocks, fetched as these are read
     const int64_t step = four_bit ? 4 * kBlock / 2 : 4 * kBlock;
     for (int64_t b = 0; b < B; ++b) {
-      for (int64_t line = 0; line < step; line += 64) _mm_prefetch(reinterpret_cast<const char*>(next + b * step + line), _MM_HINT_T0);
+      fetch_ahead(next + b * step, step);
       REFUSION_UNROLL for (int o = 0; o < 4; ++o) {
         __m256 w[4];
         block_weights_avx2(q + (first + o) * q_row, four_bit, b, _mm256_broadcast_ss(d + b * kTile + first + o),
@@ -506,7 +507,7 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
       std::unique_ptr<float[]> w;  // the fp32 tile (allocated on first use, not zeroed: every use writes it first)
       std::vector<float> last;  // a tail tile's outputs, of which the first `extra % kTile` are kept
       Tile8 t8;
-      std::vector<float> scales;  // the AVX2 paths' tile scales and offsets (tile_scales_avx2)
+      std::vector<float> scales(avx2 ? 2 * B * kTile : 0);  // the AVX2 paths' tile scales and offsets
       if (int8_rows && !avx2) {
         t8.w.resize(kTile * K);
         t8.dw.resize(kTile * B);
@@ -517,7 +518,6 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
         if (t < tiles && int8_rows) {
           const int64_t n = t * kTile;
           if (avx2) {
-            if (scales.empty()) scales.resize(2 * B * kTile);
             tile8_avx2(rows8.q.data(), rows8.d.data(), rows8.s.data(), rows, K, qs + n * q_row, q_row, four_bit,
                        dms + n * dm_row, dm_row, scales.data(), outs + n, N);
             continue;
@@ -527,7 +527,6 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& q, const at::Tens
           continue;
         }
         if (t < tiles && rows == 1 && avx2) {  // one row: no tile widened into memory
-          if (scales.empty()) scales.resize(2 * B * kTile);
           const int64_t n = t * kTile;
           row_tile_avx2(xs, K, qs + n * q_row, q_row, four_bit, dms + n * dm_row, dm_row, scales.data(), outs + n);
           continue;
