@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from harness import conditions, cpu_name
 
 import refusion
 from refusion.model.compact import compact_forward
-from refusion.model.kernels.extension import CFLAGS, OPENMP, SOURCES
+from refusion.model.kernels.extension import CFLAGS, CSRC, OPENMP, SOURCES, source_tag
 from refusion.model.kernels.int4 import GROUP, Int4Linear, block_product
 
 
@@ -60,12 +59,11 @@ def earlier_extension(tree: Path):
     module of another name, so it loads beside this tree's."""
     from torch.utils import cpp_extension
 
-    sources = [tree / path.relative_to(Path(refusion.__file__).parents[2]) for path in SOURCES]
-    tag = hashlib.sha256(b"".join(path.read_bytes() for path in sources)).hexdigest()[:16]
+    csrc = tree / "src" / CSRC.relative_to(Path(refusion.__file__).parents[1])  # the same folder in that checkout
     name = "refusion_native_then"
-    directory = Path(cpp_extension._get_build_directory(name, verbose=False)) / tag
+    directory = Path(cpp_extension._get_build_directory(name, verbose=False)) / source_tag(csrc)
     directory.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(name, [str(path) for path in sources], extra_cflags=list(CFLAGS),
+    return cpp_extension.load(name, [str(csrc / path.name) for path in SOURCES], extra_cflags=list(CFLAGS),
                               extra_ldflags=list(OPENMP), build_directory=str(directory), verbose=False)
 
 

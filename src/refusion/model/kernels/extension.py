@@ -104,9 +104,15 @@ def _import_built(path: Path):
 
 @functools.cache
 def build_tag() -> str:
-    """The extension's build tag: a digest of its source, compiler flags, torch's and Python's versions (the
-    folder it is built in, and part of the calibration record's key for what it computes)."""
-    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    """The extension's build tag: `source_tag` of its files (the folder it is built in, and part of the
+    calibration record's key for what it computes)."""
+    return source_tag(CSRC)
+
+
+def source_tag(csrc: Path) -> str:
+    """A digest of the extension's files in `csrc` (this tree's, or an earlier checkout's), the compiler flags, and
+    torch's and Python's versions."""
+    source = b"".join((csrc / path.name).read_bytes() for path in (*SOURCES, *HEADERS))
     return hashlib.sha256(source + " ".join(CFLAGS).encode() + torch.__version__.encode()
                           + sys.version.encode()).hexdigest()[:16]
 
