@@ -54,12 +54,17 @@ def fastest_in_turns(runs: list, repeats: int) -> list[float]:
     return [min(s) for s in seconds]
 
 
+def earlier_csrc(tree: Path) -> Path:
+    """The extension's folder in an earlier checkout of this repository (where it is in this one)."""
+    return tree / "src" / CSRC.relative_to(Path(refusion.__file__).parents[1])
+
+
 def earlier_extension(tree: Path):
     """The extension of an earlier checkout's `csrc/`, built (once per source, in torch's extension directory) as a
     module of another name, so it loads beside this tree's."""
     from torch.utils import cpp_extension
 
-    csrc = tree / "src" / CSRC.relative_to(Path(refusion.__file__).parents[1])  # the same folder in that checkout
+    csrc = earlier_csrc(tree)
     name = "refusion_native_then"
     directory = Path(cpp_extension._get_build_directory(name, verbose=False)) / source_tag(csrc)
     directory.mkdir(parents=True, exist_ok=True)
@@ -106,6 +111,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--then", type=Path, help="an earlier checkout whose kernels take turns with this tree's")
     args = parser.parse_args()
+    if args.then and not all((earlier_csrc(args.then) / path.name).is_file() for path in SOURCES):
+        parser.error(f"--then {args.then}: not a checkout of refusion (no {earlier_csrc(args.then)} with its sources)")
     torch.set_grad_enabled(False)
     then = earlier_extension(args.then) if args.then else None
     model, _ = refusion.load(linear="int4", dtype="float32")
