@@ -13,7 +13,9 @@ measurements:
   (`forward_costs_of`, called by the decoder), so the draft counts, and with them the forward counts, are the
   same in every process however busy the machine is;
 * `AcceptanceByDepth`: per sequence and drafter (each drafter keeps its own: `decode/drafters/`), how often a draft at
-  depth i was accepted once the drafts before it were (a Beta(1, 1) prior: 1/2 before anything is seen).
+  depth i was accepted once the drafts before it were (a Beta(1, 1) prior: 1/2 before anything is seen); or, for the
+  draft table, which states a frequency for each draft, `AcceptanceByFrequency`: the same per tenth of that frequency,
+  with the frequency as the prior.
 
 `draft_counts` decides once per step, for every sequence of the batch together, which drafts the step's forward
 verifies: those that maximize the batch's expected committed tokens per second of that forward, its cost counted
@@ -324,6 +326,58 @@ class AcceptanceByDepth:
         if i >= len(self.reached):
             return 0.5
         return (self.accepted[i] + 1) / (self.reached[i] + 2)
+
+
+FREQUENCY_BINS = 10
+"""`AcceptanceByFrequency` learns one rate per tenth of the stated frequency."""
+FREQUENCY_PRIOR_WEIGHT = 4.0
+"""How many verified drafts the stated frequency itself counts as, in each bin of `AcceptanceByFrequency`."""
+
+
+@dataclass
+class AcceptanceByFrequency:
+    """How the drafts of a source that states a frequency for each draft (the draft table: how often its token
+    followed the run it was read after in the model's own answers) fared in one sequence: per tenth of that
+    frequency, how many were verified with every draft before them accepted, and how many of those were accepted.
+
+    A draft's chance is its bin's record with the stated frequency as the prior, weighted as FREQUENCY_PRIOR_WEIGHT
+    drafts: before anything is seen the chance is the frequency, which on the table's own answers predicts
+    acceptance (13 % of the drafts stated at 0.1-0.2 were accepted, 88 % at 0.9-1; depth alone gives 47 % to all
+    first drafts), and each sequence then corrects it by what its own verdicts say (docs/DECODING.md, "How far to
+    draft")."""
+
+    reached: list[int] = field(default_factory=lambda: [0] * FREQUENCY_BINS)
+    accepted: list[int] = field(default_factory=lambda: [0] * FREQUENCY_BINS)
+
+    @staticmethod
+    def bin(frequency: float) -> int:
+        return min(max(int(frequency * FREQUENCY_BINS), 0), FREQUENCY_BINS - 1)
+
+    def record(self, frequencies: list[float], accepted: int) -> None:
+        """A verified chain whose drafts stated `frequencies`, of which the first `accepted` were accepted."""
+        for i, frequency in enumerate(frequencies[: accepted + 1]):
+            b = self.bin(frequency)
+            self.reached[b] += 1
+            self.accepted[b] += i < accepted
+
+    def rate(self, frequency: float) -> float:
+        """Chance that a draft stated at `frequency` is accepted once every earlier draft of its chain was."""
+        return self._rate(self.bin(frequency), frequency)
+
+    def _rate(self, b: int, frequency: float) -> float:
+        return (self.accepted[b] + FREQUENCY_PRIOR_WEIGHT * frequency) / (self.reached[b] + FREQUENCY_PRIOR_WEIGHT)
+
+    def chances(self, frequencies: list[float]) -> list[float]:
+        """For each i, the chance that the chain's first i drafts are all accepted."""
+        out, chance = [], 1.0
+        for frequency in frequencies:
+            chance *= self.rate(frequency)
+            out.append(chance)
+        return out
+
+    def highest(self) -> float:
+        """The highest chance any single draft could have (each bin at its top frequency)."""
+        return max(self._rate(b, (b + 1) / FREQUENCY_BINS) for b in range(FREQUENCY_BINS))
 
 
 @dataclass

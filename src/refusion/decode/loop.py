@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from refusion.config import DecodeConfig, layered_config
-from refusion.decode.costs import draft_counts, drafting_may_pay, forward_costs_of
+from refusion.decode.costs import AcceptanceByFrequency, draft_counts, drafting_may_pay, forward_costs_of
 from refusion.decode.forward import CachedForward, padded_inputs
 from refusion.decode.grammar import ResponseGrammar, check_strategy
 from refusion.decode.outputs import BatchStats, GenerationOutput, GenerationStats, RoundTrace
@@ -71,6 +71,10 @@ class Decoder:
         self.prefix_cache = prefix_cache
         self._namespace = namespace_of(model, self.cache.kv_dtype) if prefix_cache is not None else None
         """The prefix cache's root for this model."""
+        self.table_acceptance = AcceptanceByFrequency()
+        """How the draft table's drafts fared in this decoder, by the frequency the table stated for each: every
+        sequence's table drafter prices its drafts by it and records its verdicts in it, so what one answer teaches
+        prices the next (docs/DECODING.md, "How far each sequence drafts")."""
         self.live: dict[int, Running] = {}
         self.stats = BatchStats()
         self._next_id = 0
@@ -94,7 +98,7 @@ class Decoder:
         seq = Sequence(self._next_id, prompt, cfg, mask_token_id=mask_token_id, eos_token_ids=eos_token_ids,
                        cache=self.cache, device=self.device, generator=generator, trace=trace, on_round=on_round,
                        draft_table=self.setup.draft_table, grammar=None if grammar is None else grammar.state(),
-                       forward_costs=self._forward_costs(cfg), noise=noise)
+                       forward_costs=self._forward_costs(cfg), noise=noise, table_acceptance=self.table_acceptance)
         self._next_id += 1
         try:
             if self.prefix_cache is not None:

@@ -19,6 +19,7 @@ import torch
 
 from refusion.config import DecodeConfig
 from refusion.decode.cache import SlotCache
+from refusion.decode.costs import AcceptanceByFrequency
 from refusion.decode.grammar import GrammarState
 from refusion.decode.infill import cut_after_first_eos
 from refusion.decode.logprobs import TokenLogprob, TokenLogprobs, shifted_token_logprobs, token_logprobs
@@ -100,10 +101,13 @@ class Sequence:
                  eos_token_ids: list[int], cache: SlotCache, device: torch.device,
                  generator: torch.Generator | None = None, trace: bool = False, on_round=None,
                  draft_table: DraftTable | None = None, grammar: GrammarState | None = None,
-                 forward_costs: ForwardCosts | None = None, noise: PositionNoise | None = None):
+                 forward_costs: ForwardCosts | None = None, noise: PositionNoise | None = None,
+                 table_acceptance: AcceptanceByFrequency | None = None):
         self.id, self.cfg, self.cache, self.device = seq_id, cfg, cache, device
         self.draft_table = draft_table  # the model's n-gram drafts (exact mode, cfg.table_length), or None
         self.forward_costs = forward_costs  # seconds of a forward by width (the exact mode's draft count), or None
+        # how the draft table's drafts fared, shared by the sequences of a decoder (None: this sequence's own)
+        self.table_acceptance = table_acceptance
         self.grammar = grammar  # the response's grammar state (structured output: AR and exact mode), or None
         self.prompt = torch.tensor(prompt, dtype=torch.long, device=device)
         self.mask_token_id = mask_token_id

@@ -106,13 +106,17 @@ class DraftTable:
     def drafts(self, text: list[int], length: int) -> list[int]:
         """Up to `length` tokens that the model's answers usually write after `text`; [] when its last tokens
         are not in the table."""
+        return [token for token, _ in self.walk(text, length)]
+
+    def walk(self, text: list[int], length: int) -> list[tuple[int, float]]:
+        """`drafts`, each with its frequency: how often it followed the run it was read after."""
         context, out, confidence = list(text[-self.orders[0]:]), [], 1.0
         while len(out) < length:
             found = self.follower(context)
             if found is None or confidence * found[1] < self.min_confidence:
                 break
             confidence *= found[1]
-            out.append(found[0])
+            out.append(found)
             context = context[1:] + [found[0]] if len(context) == self.orders[0] else context + [found[0]]
         return out
 

@@ -4,9 +4,10 @@ A drafter is one source of drafts (prompt lookup, the model's draft table, the m
 (`programs/speculative.py`) asks its drafters in turn for a `Proposal` of the tokens after a sequence's text, verifies
 the first one that has something (`speculate.accept_drafts`: AR decoding decides every committed token, so no drafter
 can change the output, only how many tokens a forward commits), and tells every drafter the `Verdict`. Each drafter
-owns what it learns from verdicts (its acceptance by depth, `costs.AcceptanceByDepth`), which is what prices its
-drafts (`costs.draft_counts`), as transformers' `CandidateGenerator` adapts in `update_candidate_strategy` and vLLM v1
-keeps one proposer per file.
+owns what it learns from verdicts (its acceptance by depth, `costs.AcceptanceByDepth`, or by the frequency its
+source states for each draft, `costs.AcceptanceByFrequency`), from which it prices each draft it proposes
+(`Proposal.chances`, weighed by `costs.draft_counts`), as transformers' `CandidateGenerator` adapts in
+`update_candidate_strategy` and vLLM v1 keeps one proposer per file.
 
 Drafters that need only the text (`PromptLookup`, `TableDrafter`) are plain objects with no engine behind them: an
 external engine's speculative hook (a custom proposer in vLLM, a plugin in SGLang) can build one per request, call
@@ -17,11 +18,12 @@ logits draft the next round) also needs the engine to carry its `rows` and hand 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from refusion.decode.costs import AcceptanceByDepth
+from refusion.decode.costs import chances as depth_chances
 from refusion.decode.speculate import Drafts
 
 
@@ -46,13 +48,15 @@ class Proposal:
     """Who proposed them (None: nobody; a plain AR round)."""
     drafts: Drafts
     """The chain: drafts of the tokens after the next token, in position order."""
-    acceptance: AcceptanceByDepth | None = None
-    """The drafter's record of how its chains fared (prices them); None: they are verified unpriced."""
+    chances: tuple[float, ...] | None = None
+    """For each draft of the chain, the chance that it and every draft before it are accepted, by the drafter's
+    record (`costs.AcceptanceByDepth`, `costs.AcceptanceByFrequency`): what prices it. None: unpriced (a draft at
+    depth i is worth 1/2^i, `unpriced_chances`)."""
     second: tuple[int, ...] = ()
     """A second chain at the same positions as the chain's drafts, verified beside it (greedy only): the draft
     table's runner-up and what follows it; () for none."""
-    second_acceptance: AcceptanceByDepth | None = None
-    """The drafter's record of how its second chains fared."""
+    second_chances: tuple[float, ...] | None = None
+    """`chances` of the second chain's tokens."""
 
     @staticmethod
     def none(device) -> Proposal:
@@ -62,6 +66,28 @@ class Proposal:
     def drafted(self) -> bool:
         """Whether it proposes any draft."""
         return self.drafts.tokens.numel() > 0
+
+    def chain_chances(self) -> list[float]:
+        """`chances` of the chain's drafts (unpriced ones by depth)."""
+        return chances_or_unpriced(self.chances, self.drafts.tokens.numel())
+
+    def second_chain_chances(self) -> list[float]:
+        """`second_chances` of the second chain's tokens (unpriced ones by depth)."""
+        return chances_or_unpriced(self.second_chances, len(self.second))
+
+    def cut(self, count: int, second: int | None = None) -> Proposal:
+        """The proposal with its chain cut to the first `count` drafts and its second chain to the first `second`
+        tokens (None: as it is), each with its chances."""
+        second = len(self.second) if second is None else second
+        return replace(self, drafts=self.drafts[:count], second=self.second[:second],
+                       chances=None if self.chances is None else self.chances[:count],
+                       second_chances=None if self.second_chances is None else self.second_chances[:second])
+
+
+def chances_or_unpriced(chances: tuple[float, ...] | None, count: int) -> list[float]:
+    """The first `count` of `chances`, or, for a proposal its drafter did not price, the chances of an unseen
+    record by depth (`costs.AcceptanceByDepth`'s prior)."""
+    return list(chances[:count]) if chances is not None else depth_chances(count, AcceptanceByDepth())
 
 
 @dataclass(frozen=True)

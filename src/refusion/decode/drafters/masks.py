@@ -62,7 +62,7 @@ class MaskDrafter(Drafter):
         return torch.arange(after + 1, stop, device=self.device)
 
     def propose(self, context: DraftContext) -> Proposal:
-        return Proposal(self, self.pending, self.acceptance)
+        return Proposal(self, self.pending, tuple(chances(self.pending.tokens.numel(), self.acceptance)))
 
     def rows(self, position: int, drafted: int) -> list[tuple[int, torch.Tensor]]:
         lengths = range(drafted, -1, -1) if self.predraft else [drafted]

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from refusion.decode.costs import AcceptanceByDepth
+from refusion.decode.costs import AcceptanceByDepth, chances
 from refusion.decode.drafters.base import DraftContext, Drafter, Proposal, Verdict
 from refusion.decode.speculate import copied_drafts
 
@@ -75,7 +75,7 @@ class PromptLookup(Drafter):
         copied = self.occurrences.drafts(context.text, self.length)
         if not copied:
             return Proposal.none(self.device)
-        return Proposal(self, copied_drafts(copied, self.device), self.acceptance)
+        return Proposal(self, copied_drafts(copied, self.device), tuple(chances(len(copied), self.acceptance)))
 
     def bound(self, room: int, batch: int) -> tuple[int, float]:
         """Up to `length` drafts, each worth at most the first's chance (a deeper one's is a product of rates)."""

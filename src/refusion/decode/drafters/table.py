@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from refusion.decode.costs import AcceptanceByDepth
+from refusion.decode.costs import AcceptanceByDepth, AcceptanceByFrequency, chances
 from refusion.decode.drafters.base import DraftContext, Drafter, Proposal, Verdict
 from refusion.decode.speculate import copied_drafts
 from refusion.model.draft_table import DraftTable
@@ -27,10 +27,14 @@ class TableDrafter(Drafter):
 
     name = "table"
 
-    def __init__(self, table: DraftTable, length: int, device="cpu", runner_up: bool = True):
+    def __init__(self, table: DraftTable, length: int, device="cpu", runner_up: bool = True,
+                 acceptance: AcceptanceByFrequency | None = None):
+        """`acceptance`: the record its drafts' verdicts go to and are priced by, which may be shared with other
+        sequences' drafters (a decoder's: `Decoder.table_acceptance`); None: its own."""
         self.table, self.length, self.device, self.runner_up = table, length, device, runner_up
-        self.acceptance = AcceptanceByDepth()  # of its chains, in this sequence
+        self.acceptance = AcceptanceByFrequency() if acceptance is None else acceptance
         self.runner_up_acceptance = AcceptanceByDepth()  # of its second chains
+        self.frequencies: list[float] = []  # of the drafts of its last proposal
 
     @staticmethod
     def for_sequence(seq) -> TableDrafter | None:
@@ -39,23 +43,24 @@ class TableDrafter(Drafter):
         if not cfg.table_length or seq.draft_table is None:
             return None
         return TableDrafter(seq.draft_table, cfg.table_length, seq.device,
-                            runner_up=seq.grammar is None)
+                            runner_up=seq.grammar is None, acceptance=seq.table_acceptance)
 
     def propose(self, context: DraftContext) -> Proposal:
-        copied = self.table.drafts(context.text, self.length)
-        if not copied:
+        walked = self.table.walk(context.text, self.length)
+        if not walked:
             return Proposal.none(self.device)
+        copied, self.frequencies = [token for token, _ in walked], [frequency for _, frequency in walked]
         second = ()
         if self.runner_up and context.batch == 1:
             second = tuple(runner_up_drafts(context.text, self.table, min(self.length, context.room)))
-        return Proposal(self, copied_drafts(copied, self.device),
-                        self.acceptance, second, self.runner_up_acceptance)
+        return Proposal(self, copied_drafts(copied, self.device), tuple(self.acceptance.chances(self.frequencies)),
+                        second, tuple(chances(len(second), self.runner_up_acceptance)))
 
     def bound(self, room: int, batch: int) -> tuple[int, float]:
         """Up to `length` drafts, and as many in a second chain where one is drafted (`batch` 1), each worth at most
-        its chain's first draft's chance."""
+        the highest chance of a single draft."""
         length, second = min(self.length, room), self.runner_up and batch == 1
-        gain = max(self.acceptance.rate(1), self.runner_up_acceptance.rate(1) if second else 0.0)
+        gain = max(self.acceptance.highest(), self.runner_up_acceptance.rate(1) if second else 0.0)
         return length * (1 + second), gain
 
     def observe(self, verdict: Verdict) -> None:
@@ -63,6 +68,6 @@ class TableDrafter(Drafter):
         if proposal.drafter is not self:
             return
         if drafted := proposal.drafts.tokens.numel():
-            self.acceptance.record(drafted, verdict.accepted)
+            self.acceptance.record(self.frequencies[:drafted], verdict.accepted)
         if proposal.second:
             self.runner_up_acceptance.record(len(proposal.second), verdict.on_second)

@@ -14,11 +14,10 @@ tokens after the next one), or by a second chain of drafts for the same position
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from refusion.decode.costs import AcceptanceByDepth, chances
 from refusion.decode.drafters import (
     DraftContext,
     Drafter,
@@ -218,19 +217,18 @@ def observe(drafters: list[Drafter], verdict: Verdict) -> None:
 def verifiable(seq: Sequence, proposal: Proposal, room: int) -> Proposal:
     """The proposal cut to what the round may verify: no drafts past the response's end (`room`) and none the grammar
     forbids after the next token (structured output; the grammar has consumed it)."""
-    drafts = proposal.drafts[:room]
+    count = min(proposal.drafts.tokens.numel(), room)
     if seq.grammar is not None:
-        drafts = drafts[: seq.grammar.valid_prefix(list(drafts.ids))]
-    return replace(proposal, drafts=drafts)
+        count = seq.grammar.valid_prefix(list(proposal.drafts[:count].ids))
+    return proposal.cut(count)
 
 
 def draft_offer(proposal: Proposal, rows: list[tuple[int, torch.Tensor]]) -> DraftOffer:
     """The proposal as the step's decision sees it: each draft of its chain, then each of its second chain (a row
-    each, worth the chance that it and the drafts before it in its chain are accepted, by its drafter's statistics),
-    then the rows its drafter adds (worth what they are expected to draft: `Drafter.rows_gain`)."""
+    each, worth the chance its drafter gives that it and the drafts before it in its chain are accepted:
+    `Proposal.chances`), then the rows its drafter adds (worth what they are expected to draft: `Drafter.rows_gain`)."""
     n = proposal.drafts.tokens.numel()
-    items = [(1, c) for c in chances(n, proposal.acceptance or AcceptanceByDepth())]
-    items += [(1, c) for c in chances(len(proposal.second), proposal.second_acceptance or AcceptanceByDepth())]
+    items = [(1, c) for c in proposal.chain_chances()] + [(1, c) for c in proposal.second_chain_chances()]
     if rows:
         items.append((sum(m.numel() for _, m in rows), proposal.drafter.rows_gain(n)))
     return DraftOffer(1, tuple(items))
@@ -240,6 +238,5 @@ def taken(proposal: Proposal, rows: list[tuple[int, torch.Tensor]],
           count: int) -> tuple[Proposal, list[tuple[int, torch.Tensor]]]:
     """The proposal and rows cut to the first `count` items of its `draft_offer`."""
     n = proposal.drafts.tokens.numel()
-    second = proposal.second[: max(0, count - n)]
     rows = rows if count > n + len(proposal.second) else []
-    return replace(proposal, drafts=proposal.drafts[:count], second=second), rows
+    return proposal.cut(count, max(0, count - n)), rows
