@@ -18,13 +18,19 @@ does), or by a flat curve (`--flat-costs`: width free, as on a GPU). Policies:
 * `tree`: the chain, plus the table's chain as a second chain where both sources have drafts that differ at
   their first token.
 
+Each policy is replayed under each `--pricings`: `frequency`, what the decoder does, prices the table's drafts by the
+frequency the table states for each (`costs.AcceptanceByFrequency`, one record shared by all replayed answers, as a
+decoder's sequences share it), and prompt lookup's and the second chains' by depth; `depth` prices every chain by
+depth (`costs.AcceptanceByDepth`, per answer), as the decoder did before. `choose` compares sources by depth in
+both. Also reported: how often the verified table drafts were accepted, by tenth of their stated frequency.
+
 Modelled speed = (tokens x one-token cost) / (sum of each round's forward cost + a prefill priced as one token), so
 AR scores 1.00; it leaves out whatever a step costs besides its forward. Counts are deterministic for given costs
 (`--costs`; the probe's own vary from load to load). What the decoder measured, on held-out prompts:
 docs/archive/RESULTS-LEDGER.md: *Runner-up chains*. Ends with one JSON line.
 
     python benchmarks/draft_replay.py [--every 20] [--offset 7] [--max-new-tokens 128] [--flat-costs | --costs ...]
-                                      [--policies chain,runner_up,choose,tree]
+                                      [--policies chain,runner_up,choose,tree] [--pricings frequency,depth]
 """
 
 from __future__ import annotations
@@ -37,9 +43,12 @@ import time
 from pathlib import Path
 
 from refusion.decode.costs import (
+    FREQUENCY_BINS,
     AcceptanceByDepth,
+    AcceptanceByFrequency,
     ForwardCosts,
     best_draft_count,
+    draft_counts,
     expected_tokens,
     forward_costs_of,
 )
@@ -51,6 +60,8 @@ from refusion.train.data import load_training_data, read_json_records, response_
 
 POLICIES = ("chain", "runner_up", "choose", "tree")
 """The draft policies `replay` knows (the module docstring)."""
+PRICINGS = ("frequency", "depth")
+"""How `replay` prices the table's drafts (the module docstring)."""
 DATA = sorted(glob.glob(str(Path(__file__).parent.parent / "recipes" / "data" / "*.jsonl.gz")))
 
 
@@ -69,30 +80,46 @@ def expected_rate(drafts: list[int], acceptance: AcceptanceByDepth, costs: Forwa
 
 
 def replay(prompt: list[int], answer: list[int], table: DraftTable, costs: ForwardCosts, policy: str,
-           lookup_length: int, table_length: int) -> tuple[int, int, float, int]:
-    """(tokens, forwards, seconds, rounds won by the side branch) of the exact mode writing `answer`."""
+           lookup_length: int, table_length: int, by_frequency: AcceptanceByFrequency | None = None,
+           tenths: list[list[int]] | None = None) -> tuple[int, int, float, int]:
+    """(tokens, forwards, seconds, rounds won by the side branch) of the exact mode writing `answer`.
+    `by_frequency`: the record that prices the table's drafts (None: by depth); `tenths`: [verified, accepted] of the
+    table's drafts by tenth of stated frequency, counted in place."""
     acceptance = collections.defaultdict(AcceptanceByDepth)
     text, at, forwards, seconds, side_wins = [*prompt, answer[0]], 1, 1, costs.of(1), 0  # the prefill's token
     while at < len(answer):
-        look, tab = lookup_drafts(text, lookup_length), table.drafts(text, table_length)
+        walked = table.walk(text, table_length)
+        look, tab, stated = lookup_drafts(text, lookup_length), [t for t, _ in walked], [f for _, f in walked]
         source = "lookup" if look else "table"
         if (policy == "choose" and look and tab
                 and expected_rate(tab, acceptance["table"], costs) > expected_rate(look, acceptance["lookup"], costs)):
             source = "table"
         drafts = look if source == "lookup" else tab
-        drafts = drafts[: best_draft_count(len(drafts), acceptance[source], costs)] if drafts else []
+        if drafts and source == "table" and by_frequency is not None:  # as the decoder's step decides
+            chances = by_frequency.chances(stated)
+            drafts = drafts[: draft_counts([(1, tuple((1, c) for c in chances))], [], costs)[0]]
+            committed = 1 + sum(chances[: len(drafts)])
+        else:
+            drafts = drafts[: best_draft_count(len(drafts), acceptance[source], costs)] if drafts else []
+            committed = 1 + expected_tokens(len(drafts), acceptance[source])
         side = []
         if policy == "tree" and look and tab and tab[0] != look[0]:
             side = tab
         elif policy == "runner_up" and source == "table":  # what the decoder does
             side = runner_up_drafts(text, table, table_length)
         if side:
-            committed = 1 + expected_tokens(len(drafts), acceptance[source])
             side = side[: best_draft_count(len(side), acceptance["side"], costs, width=1 + len(drafts),
                                            committed=committed)]
         accepted = accepted_prefix(drafts, answer, at)
         if drafts:
             acceptance[source].record(len(drafts), accepted)
+        if drafts and source == "table":
+            if by_frequency is not None:
+                by_frequency.record(stated[: len(drafts)], accepted)
+            for i, frequency in enumerate(stated[: min(accepted + 1, len(drafts))]):
+                tenth = tenths[AcceptanceByFrequency.bin(frequency)] if tenths is not None else [0, 0]
+                tenth[0] += 1
+                tenth[1] += i < accepted
         if side:
             side_accepted = accepted_prefix(side, answer, at)
             acceptance["side"].record(len(side), side_accepted)
@@ -120,12 +147,15 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--flat-costs", action="store_true", help="price every width as one token (a GPU)")
     parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--pricings", default=",".join(PRICINGS))
     parser.add_argument("--costs", default=None, metavar="W:MS,...", help="forward costs by width, e.g. "
                         "1:16.1,4:16.1,8:19.3,16:26.5 (default: the loaded model's probe)")
     args = parser.parse_args()
-    policies = args.policies.split(",")
+    policies, pricings = args.policies.split(","), args.pricings.split(",")
     if unknown := [p for p in policies if p not in POLICIES]:
         parser.error(f"--policies: unknown {', '.join(unknown)} (known: {', '.join(POLICIES)})")
+    if unknown := [p for p in pricings if p not in PRICINGS]:
+        parser.error(f"--pricings: unknown {', '.join(unknown)} (known: {', '.join(PRICINGS)})")
     costs = None  # the loaded model's probe, unless given
     if args.costs:
         try:
@@ -155,23 +185,28 @@ def main() -> None:
                 train_answers.append(answer.tolist())
     answers = answers_with_openings(train_prompts, train_answers, shipped.orders)
     table = DraftTable.from_sequences(answers, shipped.orders, min_confidence=shipped.min_confidence)
-    summary = {}
-    for policy in policies:
-        totals = [0, 0, 0.0, 0]
+    summary, tenths = {}, {}
+    for policy, pricing in [(p, q) for p in policies for q in pricings]:
+        name = f"{policy}/{pricing}"
+        totals, by_tenth = [0, 0, 0.0, 0], [[0, 0] for _ in range(FREQUENCY_BINS)]
+        by_frequency = AcceptanceByFrequency() if pricing == "frequency" else None  # shared, as in a decoder
         for group, items in sorted(held.items()):
             counts = [0, 0, 0.0, 0]
             for prompt, answer in items:
                 for k, v in enumerate(replay(prompt, answer, table, costs, policy, preset.lookup_length,
-                                             preset.table_length)):
+                                             preset.table_length, by_frequency, by_tenth)):
                     counts[k] += v
                     totals[k] += v
-            summary.setdefault(group, {})[policy] = result(counts, costs)
-        summary.setdefault("all", {})[policy] = result(totals, costs)
+            summary.setdefault(group, {})[name] = result(counts, costs)
+        summary.setdefault("all", {})[name] = result(totals, costs)
+        tenths[name] = [round(a / v, 3) if v else None for v, a in by_tenth]
+        print(name, "table drafts accepted by tenth of stated frequency:", tenths[name],
+              "of", [v for v, _ in by_tenth])
     for group, row in summary.items():
         print(group, f"({len(held.get(group, [])) or sum(map(len, held.values()))} answers)", row)
     print(json.dumps({"benchmark": "draft_replay", "answers": {g: len(v) for g, v in held.items()},
                       "table_runs": len(table.followers), "costs": costs.describe(), "flat_costs": args.flat_costs,
-                      "max_new_tokens": args.max_new_tokens, "summary": summary,
+                      "max_new_tokens": args.max_new_tokens, "summary": summary, "accepted_by_tenth": tenths,
                       "time": time.strftime("%Y-%m-%dT%H:%M:%S")}))
 
 

@@ -33,7 +33,7 @@ def test_drafters_need_no_decoder_only_the_text_and_the_verdicts():
     assert lookup.acceptance.reached == [1, 1, 1] and lookup.acceptance.accepted == [1, 1, 0]
     other = TableDrafter(DraftTable.from_sequences([[7, 8, 9, 7, 8, 9]], orders=(2,), min_count=1), 3)
     other.observe(Verdict(proposal, accepted=2))  # another drafter's verdict teaches it nothing
-    assert sum(other.acceptance.reached) == 0
+    assert other.by_depth.reached == [] and sum(other.by_frequency.reached) == 0
     assert not lookup.propose(DraftContext([1, 2, 3], room=10)).drafted
 
 
@@ -60,9 +60,11 @@ def test_the_table_prices_each_draft_by_its_frequency_and_learns_from_the_verdic
     drafter.observe(Verdict(again.cut(1), accepted=1))  # its first draft alone, accepted: one of two
     assert drafter.propose(DraftContext([2], room=4)).chances == pytest.approx([(1 + 3.6) / 6])
     assert drafter.bound(room=4, batch=1) == (2, pytest.approx(0.9))  # 0.8-0.9, unseen, at its top
-    table_free = TableDrafter(table, 2, runner_up=False)
-    table_free.observe(Verdict(again.cut(1), accepted=1))  # another drafter's verdict teaches it nothing
-    assert table_free.propose(DraftContext([1], room=4)).chances == pytest.approx((1.0, 0.9))
+    in_a_batch = drafter.propose(DraftContext([1], room=4, batch=8))  # by depth: one first draft of two accepted
+    assert in_a_batch.chances == pytest.approx(((1 + 1) / (2 + 2), (1 + 1) / (2 + 2) * 1 / 2))
+    assert drafter.bound(room=4, batch=8) == (2, pytest.approx(0.5))
+    shared = TableDrafter(table, 2, runner_up=False, by_frequency=drafter.by_frequency)  # as a decoder's sequences
+    assert shared.propose(DraftContext([2], room=4)).chances == pytest.approx([(1 + 3.6) / 6])
 
 
 def test_one_sequence_with_one_chain_drafts_as_best_draft_count_says():

@@ -22,17 +22,23 @@ class TableDrafter(Drafter):
     """Up to `length` tokens walked from the draft table, and (`runner_up`) a second chain from the runner-up
     follower of the run the walk starts from, for a sequence decoded alone.
 
-    The second chain is verified without a grammar (which masks one chain), and alone: a batch's steps are its slowest sequence's, and at batch 4 on the
-    held-out groups the second chain saved no forward (docs/archive/RESULTS-LEDGER.md: *Runner-up chains*)."""
+    A sequence decoded alone prices each draft by the frequency the table states for it (`by_frequency`); in a batch
+    its chains are priced by depth (`by_depth`), as every chain was before: at 8 sequences on E5 (int4-q8) the
+    frequencies made the step verify drafts that lost, 0.91x AR's tokens/s against 1.02x by depth, in one process
+    in turns (docs/archive/RESULTS-LEDGER.md: *The table's drafts priced by frequency*). The second chain is
+    verified without a grammar (which masks one chain), and alone: a batch's steps are its slowest sequence's, and
+    at batch 4 on the held-out groups it saved no forward (docs/archive/RESULTS-LEDGER.md: *Runner-up chains*)."""
 
     name = "table"
 
     def __init__(self, table: DraftTable, length: int, device="cpu", runner_up: bool = True,
-                 acceptance: AcceptanceByFrequency | None = None):
-        """`acceptance`: the record its drafts' verdicts go to and are priced by, which may be shared with other
-        sequences' drafters (a decoder's: `Decoder.table_acceptance`); None: its own."""
+                 by_frequency: AcceptanceByFrequency | None = None):
+        """`by_frequency`: the record its drafts' verdicts go to and are priced by when its sequence decodes alone,
+        which may be shared with other sequences' drafters (a decoder's: `Decoder.table_acceptance`); None: its
+        own."""
         self.table, self.length, self.device, self.runner_up = table, length, device, runner_up
-        self.acceptance = AcceptanceByFrequency() if acceptance is None else acceptance
+        self.by_frequency = AcceptanceByFrequency() if by_frequency is None else by_frequency
+        self.by_depth = AcceptanceByDepth()  # of its chains, in this sequence
         self.runner_up_acceptance = AcceptanceByDepth()  # of its second chains
         self.frequencies: list[float] = []  # of the drafts of its last proposal
 
@@ -43,31 +49,36 @@ class TableDrafter(Drafter):
         if not cfg.table_length or seq.draft_table is None:
             return None
         return TableDrafter(seq.draft_table, cfg.table_length, seq.device,
-                            runner_up=seq.grammar is None, acceptance=seq.table_acceptance)
+                            runner_up=seq.grammar is None, by_frequency=seq.table_acceptance)
 
     def propose(self, context: DraftContext) -> Proposal:
         walked = self.table.walk(context.text, self.length)
         if not walked:
             return Proposal.none(self.device)
         copied, self.frequencies = [token for token, _ in walked], [frequency for _, frequency in walked]
+        alone = context.batch == 1
+        priced = self.by_frequency.chances(self.frequencies) if alone else chances(len(copied), self.by_depth)
         second = ()
-        if self.runner_up and context.batch == 1:
+        if self.runner_up and alone:
             second = tuple(runner_up_drafts(context.text, self.table, min(self.length, context.room)))
-        return Proposal(self, copied_drafts(copied, self.device), tuple(self.acceptance.chances(self.frequencies)),
+        return Proposal(self, copied_drafts(copied, self.device), tuple(priced),
                         second, tuple(chances(len(second), self.runner_up_acceptance)))
 
     def bound(self, room: int, batch: int) -> tuple[int, float]:
         """Up to `length` drafts, and as many in a second chain where one is drafted (`batch` 1), each worth at most
-        the highest chance of a single draft."""
-        length, second = min(self.length, room), self.runner_up and batch == 1
-        gain = max(self.acceptance.highest(), self.runner_up_acceptance.rate(1) if second else 0.0)
-        return length * (1 + second), gain
+        the highest chance of a single draft (alone: of any tenth of frequency; in a batch: a chain's first)."""
+        length, alone = min(self.length, room), batch == 1
+        gain = self.by_frequency.highest() if alone else self.by_depth.rate(1)
+        if self.runner_up and alone:
+            gain = max(gain, self.runner_up_acceptance.rate(1))
+        return length * (1 + (self.runner_up and alone)), gain
 
     def observe(self, verdict: Verdict) -> None:
         proposal = verdict.proposal
         if proposal.drafter is not self:
             return
         if drafted := proposal.drafts.tokens.numel():
-            self.acceptance.record(self.frequencies[:drafted], verdict.accepted)
+            self.by_frequency.record(self.frequencies[:drafted], verdict.accepted)
+            self.by_depth.record(drafted, verdict.accepted)
         if proposal.second:
             self.runner_up_acceptance.record(len(proposal.second), verdict.on_second)
