@@ -24,8 +24,8 @@ class TableDrafter(Drafter):
 
     A sequence decoded alone prices each draft by the frequency the table states for it (`by_frequency`); in a batch
     its chains are priced by depth (`by_depth`), as every chain was before: at 8 sequences on E5 (int4-q8) the
-    frequencies made the step verify drafts that lost, 0.91x AR's tokens/s against 1.02x by depth, in one process
-    in turns (docs/archive/RESULTS-LEDGER.md: *The table's drafts priced by frequency*). The second chain is
+    frequencies made the step verify drafts that lost, ~1.6 s over a ~24 s run for 7 fewer steps
+    (docs/archive/BENCHMARKS-JOURNAL.md: *The table's drafts priced by frequency*). The second chain is
     verified without a grammar (which masks one chain), and alone: a batch's steps are its slowest sequence's, and
     at batch 4 on the held-out groups it saved no forward (docs/archive/RESULTS-LEDGER.md: *Runner-up chains*)."""
 
