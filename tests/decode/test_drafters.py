@@ -13,6 +13,7 @@ from refusion.decode.costs import (
     expected_tokens,
 )
 from refusion.decode.drafters import DRAFTERS, DraftContext, PromptLookup, TableDrafter, Verdict, propose
+from refusion.decode.loop import Decoder
 from refusion.model.draft_table import DraftTable
 from refusion.model.setup import plain_setup
 from refusion.model.tiny import tiny_model
@@ -116,6 +117,24 @@ def test_batches_decoded_with_the_step_decision_are_each_prompt_alone_with_ar(co
         for size in (2, 5, 8):
             out = refusion.generate(model, PROMPTS[:size], cfg.replace(strategy="speculative", **exact), setup=setup)
             assert out.sequences == ar[:size], (exact, size)
+
+
+def test_a_decoder_s_sequences_price_the_table_s_drafts_by_one_record():
+    """Prompts decoded one after another in one decoder: each sequence's table drafter records its verdicts in the
+    decoder's record (`Decoder.table_acceptance`), which prices the next sequence's drafts; the answers stay AR's."""
+    model = tiny_model("qwen3")
+    cfg = refusion.DecodeConfig(max_new_tokens=20, strategy="autoregressive", eos_token_id=2)
+    ar = [refusion.generate(model, [p], cfg).sequences[0] for p in PROMPTS]
+    decoder = Decoder(model, setup=exact_setups(model, ar).replace(forward_costs=FLAT))
+    spec = cfg.replace(strategy="speculative", draft_length=0, lookup_length=0, table_length=16)
+    verified = []
+    for prompt, answer in zip(PROMPTS, ar):
+        seq = decoder.add(prompt, spec, mask_token_id=None, eos_token_ids=[2])
+        while decoder.live:
+            decoder.step()
+        assert seq.response() == answer
+        verified.append(sum(decoder.table_acceptance.reached))
+    assert verified == sorted(verified) and 0 < verified[0] < verified[-1]
 
 
 def test_sampled_text_depends_on_the_seed_alone_not_on_the_step_decision():

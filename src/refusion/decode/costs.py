@@ -337,14 +337,14 @@ FREQUENCY_PRIOR_WEIGHT = 4.0
 @dataclass
 class AcceptanceByFrequency:
     """How the drafts of a source that states a frequency for each draft (the draft table: how often its token
-    followed the run it was read after in the model's own answers) fared in one sequence: per tenth of that
-    frequency, how many were verified with every draft before them accepted, and how many of those were accepted.
+    followed the run it was read after in the model's own answers) fared in one decoder's sequences: per tenth of
+    that frequency, how many were verified with every draft before them accepted, and how many of those were
+    accepted.
 
     A draft's chance is its bin's record with the stated frequency as the prior, weighted as FREQUENCY_PRIOR_WEIGHT
     drafts: before anything is seen the chance is the frequency, which on the table's own answers predicts
     acceptance (13 % of the drafts stated at 0.1-0.2 were accepted, 88 % at 0.9-1; depth alone gives 47 % to all
-    first drafts), and each sequence then corrects it by what its own verdicts say (docs/DECODING.md, "How far to
-    draft")."""
+    first drafts), and the verdicts then correct it (docs/DECODING.md, "How far each sequence drafts")."""
 
     reached: list[int] = field(default_factory=lambda: [0] * FREQUENCY_BINS)
     accepted: list[int] = field(default_factory=lambda: [0] * FREQUENCY_BINS)

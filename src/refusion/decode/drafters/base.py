@@ -51,7 +51,7 @@ class Proposal:
     chances: tuple[float, ...] | None = None
     """For each draft of the chain, the chance that it and every draft before it are accepted, by the drafter's
     record (`costs.AcceptanceByDepth`, `costs.AcceptanceByFrequency`): what prices it. None: unpriced (a draft at
-    depth i is worth 1/2^i, `unpriced_chances`)."""
+    depth i is worth 1/2^i, `chances_or_unpriced`)."""
     second: tuple[int, ...] = ()
     """A second chain at the same positions as the chain's drafts, verified beside it (greedy only): the draft
     table's runner-up and what follows it; () for none."""
