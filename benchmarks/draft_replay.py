@@ -19,9 +19,9 @@ does), or by a flat curve (`--flat-costs`: width free, as on a GPU). Policies:
   their first token.
 
 Each policy is replayed under each `--pricings`: `frequency`, what the decoder does, prices the table's drafts by the
-frequency the table states for each (`costs.AcceptanceByFrequency`, one record shared by all replayed answers, as a
+frequency the table states for each (`acceptance.AcceptanceByFrequency`, one record shared by all replayed answers, as a
 decoder's sequences share it), and prompt lookup's and the second chains' by depth; `depth` prices every chain by
-depth (`costs.AcceptanceByDepth`, per answer), as the decoder did before. `choose` compares sources by depth in
+depth (`acceptance.AcceptanceByDepth`, per answer), as the decoder did before. `choose` compares sources by depth in
 both. Also reported: how often the verified table drafts were accepted, by tenth of their stated frequency.
 
 Modelled speed = (tokens x one-token cost) / (sum of each round's forward cost + a prefill priced as one token), so
@@ -42,14 +42,16 @@ import json
 import time
 from pathlib import Path
 
-from refusion.decode.costs import (
+from refusion.decode.acceptance import (
     FREQUENCY_BINS,
     AcceptanceByDepth,
     AcceptanceByFrequency,
+    expected_tokens,
+)
+from refusion.decode.costs import (
     ForwardCosts,
     best_draft_count,
     draft_counts,
-    expected_tokens,
     forward_costs_of,
 )
 from refusion.decode.drafters.prompt_lookup import lookup_drafts

@@ -7,13 +7,12 @@ import pytest
 import torch
 
 import refusion
+from refusion.decode.acceptance import AcceptanceByDepth, chances
 from refusion.decode.costs import (
     LONG_PROBE_CONTEXT,
-    AcceptanceByDepth,
     ForwardCosts,
     SuccessRate,
     best_draft_count,
-    chances,
     draft_counts,
     drafting_may_pay,
     forward_costs_of,

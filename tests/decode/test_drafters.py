@@ -5,12 +5,11 @@ verdict, with no decoder behind it; and the step's decision of how far each sequ
 import pytest
 
 import refusion
+from refusion.decode.acceptance import AcceptanceByDepth, expected_tokens
 from refusion.decode.costs import (
-    AcceptanceByDepth,
     ForwardCosts,
     best_draft_count,
     draft_counts,
-    expected_tokens,
 )
 from refusion.decode.drafters import DRAFTERS, DraftContext, PromptLookup, TableDrafter, Verdict, propose
 from refusion.decode.loop import Decoder

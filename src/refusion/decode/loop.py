@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from refusion.config import DecodeConfig, layered_config
-from refusion.decode.costs import AcceptanceByFrequency, draft_counts, drafting_may_pay, forward_costs_of
+from refusion.decode.acceptance import AcceptanceByFrequency
+from refusion.decode.costs import draft_counts, drafting_may_pay, forward_costs_of
 from refusion.decode.forward import CachedForward, padded_inputs
 from refusion.decode.grammar import ResponseGrammar, check_strategy
 from refusion.decode.outputs import BatchStats, GenerationOutput, GenerationStats, RoundTrace

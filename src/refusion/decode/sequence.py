@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from refusion.config import DecodeConfig
+from refusion.decode.acceptance import AcceptanceByFrequency
 from refusion.decode.cache import SlotCache
-from refusion.decode.costs import AcceptanceByFrequency
 from refusion.decode.grammar import GrammarState
 from refusion.decode.infill import cut_after_first_eos
 from refusion.decode.logprobs import TokenLogprob, TokenLogprobs, shifted_token_logprobs, token_logprobs

@@ -4,8 +4,8 @@ A drafter is one source of drafts (prompt lookup, the model's draft table, the m
 (`programs/speculative.py`) asks its drafters in turn for a `Proposal` of the tokens after a sequence's text, verifies
 the first one that has something (`speculate.accept_drafts`: AR decoding decides every committed token, so no drafter
 can change the output, only how many tokens a forward commits), and tells every drafter the `Verdict`. Each drafter
-owns what it learns from verdicts (its acceptance by depth, `costs.AcceptanceByDepth`, or by the frequency its
-source states for each draft, `costs.AcceptanceByFrequency`), from which it prices each draft it proposes
+owns what it learns from verdicts (its acceptance by depth, `acceptance.AcceptanceByDepth`, or by the frequency its
+source states for each draft, `acceptance.AcceptanceByFrequency`), from which it prices each draft it proposes
 (`Proposal.chances`, weighed by `costs.draft_counts`), as transformers' `CandidateGenerator` adapts in
 `update_candidate_strategy` and vLLM v1 keeps one proposer per file.
 
@@ -22,8 +22,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from refusion.decode.costs import AcceptanceByDepth
-from refusion.decode.costs import chances as depth_chances
+from refusion.decode.acceptance import AcceptanceByDepth
+from refusion.decode.acceptance import chances as depth_chances
 from refusion.decode.speculate import Drafts
 
 
@@ -50,8 +50,8 @@ class Proposal:
     """The chain: drafts of the tokens after the next token, in position order."""
     chances: tuple[float, ...] | None = None
     """For each draft of the chain, the chance that it and every draft before it are accepted, by the drafter's
-    record (`costs.AcceptanceByDepth`, `costs.AcceptanceByFrequency`): what prices it. None: unpriced (a draft at
-    depth i is worth 1/2^i, `chances_or_unpriced`)."""
+    record (`acceptance.AcceptanceByDepth`, `acceptance.AcceptanceByFrequency`): what prices it. None: unpriced (a
+    draft at depth i is worth 1/2^i, `chances_or_unpriced`)."""
     second: tuple[int, ...] = ()
     """A second chain at the same positions as the chain's drafts, verified beside it (greedy only): the draft
     table's runner-up and what follows it; () for none."""
@@ -86,7 +86,7 @@ class Proposal:
 
 def chances_or_unpriced(chances: tuple[float, ...] | None, count: int) -> list[float]:
     """The first `count` of `chances`, or, for a proposal its drafter did not price, the chances of an unseen
-    record by depth (`costs.AcceptanceByDepth`'s prior)."""
+    record by depth (`acceptance.AcceptanceByDepth`'s prior)."""
     return list(chances[:count]) if chances is not None else depth_chances(count, AcceptanceByDepth())
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from refusion.decode.costs import AcceptanceByDepth, chances, expected_tokens
+from refusion.decode.acceptance import AcceptanceByDepth, chances, expected_tokens
 from refusion.decode.drafters.base import DraftContext, Drafter, Proposal, Verdict
 from refusion.decode.infill import accepted_prefix
 from refusion.decode.sampling import PositionNoise, decided_tokens

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from refusion.decode.costs import AcceptanceByDepth, chances
+from refusion.decode.acceptance import AcceptanceByDepth, chances
 from refusion.decode.drafters.base import DraftContext, Drafter, Proposal, Verdict
 from refusion.decode.speculate import copied_drafts
 
