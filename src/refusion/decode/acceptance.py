@@ -10,6 +10,9 @@ acceptance (`drafters.Proposal.chances`), which `costs.draft_counts` weighs agai
 
 from __future__ import annotations
 
+import itertools
+import operator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -81,25 +84,23 @@ class AcceptanceByFrequency:
 
     def chances(self, frequencies: list[float]) -> list[float]:
         """For each i, the chance that the chain's first i drafts are all accepted."""
-        out, chance = [], 1.0
-        for frequency in frequencies:
-            chance *= self.rate(frequency)
-            out.append(chance)
-        return out
+        return chain_chances(self.rate(frequency) for frequency in frequencies)
 
     def highest(self) -> float:
         """The highest chance any single draft could have (each bin at its top frequency)."""
         return max(self._rate(b, (b + 1) / FREQUENCY_BINS) for b in range(FREQUENCY_BINS))
 
 
+def chain_chances(rates: Iterable[float]) -> list[float]:
+    """Each draft's chance of acceptance once every earlier one was -> for each i, the chance that the chain's first
+    i drafts are all accepted (the running product)."""
+    return list(itertools.accumulate(rates, operator.mul))
+
+
 def chances(count: int, acceptance: AcceptanceByDepth) -> list[float]:
     """For i = 1 .. count, the chance that the first i drafts of a chain are all accepted: what verifying the i-th
     adds to the tokens a forward is expected to commit."""
-    out, chance = [], 1.0
-    for depth in range(1, count + 1):
-        chance *= acceptance.rate(depth)
-        out.append(chance)
-    return out
+    return chain_chances(acceptance.rate(depth) for depth in range(1, count + 1))
 
 
 def expected_tokens(count: int, acceptance: AcceptanceByDepth) -> float:
