@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from refusion.decode.cache import CHECK_ENV
 from refusion.model.tiny import tiny_model, tiny_tokenizer
 
 
@@ -26,6 +27,19 @@ def sample_data_dir() -> Path:
     """A data folder of a few real rows per file: what the tests of built-in tasks and sets read, so that they
     run on a fresh clone with no data folder beside it."""
     return SAMPLE_DATA_DIR
+
+
+@pytest.fixture(scope="session", autouse=True)
+def the_cache_checks_its_invariant():
+    """Every cache checks its invariant on every commit in the tests (off by default: `cache.checks_by_default`),
+    in the processes they start too."""
+    saved = os.environ.get(CHECK_ENV)
+    os.environ[CHECK_ENV] = "1"
+    yield
+    if saved is None:
+        del os.environ[CHECK_ENV]
+    else:
+        os.environ[CHECK_ENV] = saved
 
 
 @pytest.fixture(scope="session", autouse=True)

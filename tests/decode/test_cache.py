@@ -318,8 +318,10 @@ def test_columns_after_the_last_entry_are_reused():
 
 
 # ------------------------------------------------------------------------------------------- space
-def test_compaction_moves_live_entries_to_the_front_with_their_kv():
+@pytest.mark.parametrize("by_row", [True, False], ids=["row by row (CPU)", "one gather (accelerator)"])
+def test_compaction_moves_live_entries_to_the_front_with_their_kv(by_row):
     cache = make_cache(2)
+    cache.compacts_by_row = by_row
     forward(cache, [[0, 0, 0, 0], [P, P, 0, 0]], [[0, 1, 2, 3], [0, 0, 0, 1]])
     cache.commit(0, torch.tensor([0, 1, 2, 3]))
     cache.commit(1, torch.tensor([0, 1]))
@@ -519,11 +521,11 @@ def test_a_sliding_window_hides_keys_by_position_not_column():
     assert forward(cache, [[0]], [[4]]) is not None  # windowed models always get a mask
 
 
-def test_the_invariant_is_checked_on_the_cpu_and_on_a_gpu_only_when_asked(monkeypatch):
+def test_the_invariant_is_checked_only_when_asked(monkeypatch):
     monkeypatch.delenv(CHECK_ENV, raising=False)
-    assert SlotCache(1, "cpu").check_invariants and not checks_by_default("cuda")
+    assert not SlotCache(1, "cpu").check_invariants and not checks_by_default()
     monkeypatch.setenv(CHECK_ENV, "1")
-    assert checks_by_default("cuda")
+    assert checks_by_default() and SlotCache(1, "cpu").check_invariants
     unchecked = SlotCache(1, "cpu", check_invariants=False)
     unchecked.add_sequence(0)
     unchecked.begin_forward(torch.tensor([[0, 0]]), torch.tensor([[0, 1]]))
