@@ -18,10 +18,14 @@ What the server adds on top of these numbers is its own (`serving.py --library` 
 client). `--scheduler` runs the prompts through the server's scheduler instead (`serve.scheduler.Scheduler`, its
 thread, admission and the text it streams after each step; no HTTP, no event loop), all submitted at once with
 `--live` rows: host milliseconds a step are then everything but the forward, admission and streaming included.
-Ends with one JSON line.
+`--lockstep` runs the strategies' batches side by side instead, one step of each in turn, each timed over its own
+steps: on a machine whose speed drifts between runs (E5: 10-40 % a minute apart), their ratio in a round is then the
+steps' own, where separate runs' ratios swing by more than a strategy changes. Ends with one JSON line (with the
+preset's tokens/s over AR's in each round).
 
     python benchmarks/continuous_batching.py [--live 8] [--per-task 12] [--max-tokens 128] [--linear int4-q8]
-                                            [--strategies autoregressive,preset] [--rounds 2] [--scheduler]
+                                            [--strategies autoregressive,preset] [--rounds 2]
+                                            [--scheduler | --lockstep]
 """
 
 from __future__ import annotations
@@ -48,26 +52,39 @@ def strategy_config(setup, strategy: str, max_tokens: int):
     return cfg, setup.special_tokens.for_decoding(cfg)
 
 
-def run_batch(model, prompts: list[list[int]], live: int, strategy: str, max_tokens: int) -> dict:
-    """Decode `prompts` with at most `live` sequences at a time, each new one admitted when another finishes."""
-    from refusion.decode.loop import Decoder
+class BatchRun:
+    """One strategy's continuous batch over `prompts`, stepped from outside: at most `live` sequences at a time,
+    each new one admitted when another finishes. Its seconds are those of its own steps and admissions, so that
+    runs stepped in turn (`lockstep`) are each timed alone."""
 
-    setup = setup_of(model)
-    cfg, tokens = strategy_config(setup, strategy, max_tokens)
-    decoder = Decoder(model, capacity=DECODER_CAPACITY, setup=setup)  # as the server's scheduler starts it
-    waiting = list(prompts)
+    def __init__(self, model, prompts: list[list[int]], live: int, strategy: str, max_tokens: int):
+        from refusion.decode.loop import Decoder
 
-    def admit() -> None:
-        decoder.add(waiting.pop(0), cfg, mask_token_id=tokens.mask_token_id, eos_token_ids=list(tokens.eos_token_ids))
+        begin = time.perf_counter()
+        setup = setup_of(model)
+        self.cfg, self.tokens = strategy_config(setup, strategy, max_tokens)
+        self.decoder = Decoder(model, capacity=DECODER_CAPACITY, setup=setup)  # as the server's scheduler starts it
+        self.waiting = list(prompts)
+        self.out = {"tokens": 0, "drafted": 0, "accepted": 0, "steps": 0, "prefill_steps": 0,
+                    "prefill_forward_s": 0.0, "step_forward_s": 0.0, "host_s": 0.0, "seconds": 0.0}
+        for _ in range(min(live, len(self.waiting))):
+            self.admit()
+        self.out["seconds"] += time.perf_counter() - begin
 
-    for _ in range(min(live, len(waiting))):
-        admit()
-    out = {"tokens": 0, "drafted": 0, "accepted": 0, "steps": 0, "prefill_steps": 0, "prefill_forward_s": 0.0,
-           "step_forward_s": 0.0, "host_s": 0.0}
-    begin = time.perf_counter()
-    while decoder.live:
+    @property
+    def live(self) -> bool:
+        return bool(self.decoder.live)
+
+    def admit(self) -> None:
+        self.decoder.add(self.waiting.pop(0), self.cfg, mask_token_id=self.tokens.mask_token_id,
+                         eos_token_ids=list(self.tokens.eos_token_ids))
+
+    def step(self) -> None:
+        """One step of the batch, and the admissions of the sequences that take the finished ones' rows."""
+        out, decoder = self.out, self.decoder
+        step_begin = time.perf_counter()
         prefills = any(r.seq.stats.forwards == 0 for r in decoder.live.values())  # a new sequence's first forward
-        forward_before, step_begin = decoder.stats.forward_seconds, time.perf_counter()
+        forward_before = decoder.stats.forward_seconds
         finished = decoder.step()
         forward = decoder.stats.forward_seconds - forward_before
         out["host_s"] += time.perf_counter() - step_begin - forward
@@ -78,15 +95,39 @@ def run_batch(model, prompts: list[list[int]], live: int, strategy: str, max_tok
             out["tokens"] += seq.stats.tokens
             out["drafted"] += seq.stats.drafted
             out["accepted"] += seq.stats.accepted
-            if waiting:
-                admit()
-    out["seconds"] = time.perf_counter() - begin
-    out["tokens_per_second"] = out["tokens"] / out["seconds"]
-    steps, plain = out["steps"], out["steps"] - out["prefill_steps"]
-    out["forward_ms_per_prefill_step"] = 1e3 * out["prefill_forward_s"] / max(out["prefill_steps"], 1)
-    out["forward_ms_per_other_step"] = 1e3 * out["step_forward_s"] / max(plain, 1)
-    out["host_ms_per_step"] = 1e3 * out["host_s"] / max(steps, 1)
-    return out
+            if self.waiting:
+                self.admit()
+        out["seconds"] += time.perf_counter() - step_begin
+
+    def result(self) -> dict:
+        out = dict(self.out)
+        out["tokens_per_second"] = out["tokens"] / out["seconds"]
+        steps, plain = out["steps"], out["steps"] - out["prefill_steps"]
+        out["forward_ms_per_prefill_step"] = 1e3 * out["prefill_forward_s"] / max(out["prefill_steps"], 1)
+        out["forward_ms_per_other_step"] = 1e3 * out["step_forward_s"] / max(plain, 1)
+        out["host_ms_per_step"] = 1e3 * out["host_s"] / max(steps, 1)
+        return out
+
+
+def run_batch(model, prompts: list[list[int]], live: int, strategy: str, max_tokens: int) -> dict:
+    """Decode `prompts` with at most `live` sequences at a time, each new one admitted when another finishes."""
+    run = BatchRun(model, prompts, live, strategy, max_tokens)
+    while run.live:
+        run.step()
+    return run.result()
+
+
+def run_lockstep(model, prompts: list[list[int]], live: int, strategies: list[str], max_tokens: int) -> dict:
+    """Each strategy's continuous batch over the same prompts, side by side in this process, one step of each in
+    turn: every strategy meets the machine's slow and fast moments alike (on E5 the forwards of one run drift by
+    10-40 % from a run a minute later, more than a strategy changes a step), so the ratio of their tokens/s is the
+    steps' own."""
+    runs = {strategy: BatchRun(model, prompts, live, strategy, max_tokens) for strategy in strategies}
+    while any(run.live for run in runs.values()):
+        for run in runs.values():
+            if run.live:
+                run.step()
+    return {strategy: run.result() for strategy, run in runs.items()}
 
 
 def run_scheduler(model, tokenizer, prompts: list[list[int]], live: int, strategy: str, max_tokens: int) -> dict:
@@ -123,6 +164,13 @@ def run_scheduler(model, tokenizer, prompts: list[list[int]], live: int, strateg
     return out
 
 
+def print_batch(round_index: int, strategy: str, result: dict) -> None:
+    print(f"round {round_index} {strategy:>14}: {result['tokens_per_second']:6.1f} tokens/s, {result['steps']} steps "
+          f"({result['prefill_steps']} with a prefill: {result['forward_ms_per_prefill_step']:.0f} ms each), other "
+          f"steps {result['forward_ms_per_other_step']:.1f} ms, host {result['host_ms_per_step']:.2f} ms/step, drafts "
+          f"accepted {result['accepted']}/{result['drafted']}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--live", type=int, default=8, help="sequences decoded together (the server's slots)")
@@ -134,13 +182,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--scheduler", action="store_true",
                         help="through the server's scheduler (admission, streamed text), without HTTP")
+    parser.add_argument("--lockstep", action="store_true",
+                        help="the strategies' batches side by side, one step of each in turn (each round)")
     args = parser.parse_args()
+    if args.lockstep and args.scheduler:
+        parser.error("--lockstep steps the library's loop: it cannot run through --scheduler")
     model, tokenizer = refusion.load(linear=args.linear, **({"dtype": args.dtype} if args.dtype else {}))
     prompts = refusion.encode_prompts(tokenizer, held_out_prompts(args.per_task))
     strategies = args.strategies.split(",")
     run_batch(model, prompts[:2], 2, strategies[0], 8)  # warm: kernels set up, forward costs read
     rounds: dict[str, list[dict]] = {s: [] for s in strategies}
     for r in range(args.rounds):
+        if args.lockstep:
+            for strategy, result in run_lockstep(model, prompts, args.live, strategies, args.max_tokens).items():
+                print_batch(r, strategy, result)
+                rounds[strategy].append(result)
+            continue
         for strategy in strategies:
             if args.scheduler:
                 result = run_scheduler(model, tokenizer, prompts, args.live, strategy, args.max_tokens)
@@ -150,19 +207,19 @@ def main() -> None:
                       f"{result['drafted']}", flush=True)
             else:
                 result = run_batch(model, prompts, args.live, strategy, args.max_tokens)
-                print(f"round {r} {strategy:>14}: {result['tokens_per_second']:6.1f} tokens/s, {result['steps']} "
-                      f"steps ({result['prefill_steps']} with a prefill: {result['forward_ms_per_prefill_step']:.0f} ms "
-                      f"each), other steps {result['forward_ms_per_other_step']:.1f} ms, host "
-                      f"{result['host_ms_per_step']:.2f} ms/step, drafts accepted {result['accepted']}/"
-                      f"{result['drafted']}", flush=True)
+                print_batch(r, strategy, result)
             rounds[strategy].append(result)
     best = {s: max(rs, key=lambda x: x["tokens_per_second"]) for s, rs in rounds.items()}
-    report = {"benchmark": "continuous_batching", "scheduler": args.scheduler, "live": args.live, "prompts": len(prompts),
+    report = {"benchmark": "continuous_batching", "scheduler": args.scheduler, "lockstep": args.lockstep,
+              "live": args.live, "prompts": len(prompts),
               "max_tokens": args.max_tokens, "linear": args.linear, "setup": setup_of(model).describe(),
               "cpu": cpu_name(), "best": best, "rounds": rounds, **conditions()}
     if "preset" in best and "autoregressive" in best:
         report["preset_over_ar"] = best["preset"]["tokens_per_second"] / best["autoregressive"]["tokens_per_second"]
-        print(f"preset over AR: {report['preset_over_ar']:.3f}")
+        report["preset_over_ar_by_round"] = [p["tokens_per_second"] / a["tokens_per_second"]
+                                             for p, a in zip(rounds["preset"], rounds["autoregressive"])]
+        print(f"preset over AR: {report['preset_over_ar']:.3f} (fastest rounds); by round: "
+              + ", ".join(f"{x:.3f}" for x in report["preset_over_ar_by_round"]))
     emit(report)
 
 
