@@ -72,13 +72,18 @@ def test_next_token_greedy_is_the_argmax():
     assert next_token(logits, 0.0, None).tolist() == [[1], [0]]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_greedy_is_argmax_and_takes_the_first_of_tied_maxima(dtype):
     logits = torch.randn(5, 3, 1000, generator=torch.Generator().manual_seed(0)).to(dtype)
     logits[0, 0, [7, 300, 999]] = 50.0  # ties: the first index wins, as with argmax
     logits[1, 2, [0, 1]] = 50.0
-    assert torch.equal(greedy(logits), logits.argmax(-1))
-    assert greedy(logits)[0, 0] == 7 and greedy(logits)[1, 2] == 0
+    logits[2, 1, [5, 9]] = float("nan")  # the first NaN, as torch's max reduction takes it
+    with torch.inference_mode():  # as the decoder calls it
+        chosen = greedy(logits)
+    assert chosen.dtype == torch.int64 and torch.equal(chosen, logits.max(-1).indices)
+    assert chosen[0, 0] == 7 and chosen[1, 2] == 0 and chosen[2, 1] == 5
+    assert torch.equal(greedy(logits[:, 1]), logits[:, 1].max(-1).indices)  # a strided view
+    assert greedy(logits[0, 0]).shape == () and greedy(logits[:0]).shape == (0, 3)
 
 
 def test_next_token_sampling_is_reproducible_and_follows_the_softmax():
