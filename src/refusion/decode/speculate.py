@@ -67,6 +67,8 @@ def accept_drafts(drafts: Drafts, ar_logits: torch.Tensor, temperature: float = 
     """
     n = drafts.tokens.numel()
     predicted = greedy(sampling_scores(ar_logits, temperature, noise, start))  # [d + 1]
+    if not n:  # nothing drafted: the next token's
+        return Acceptance(0, predicted, int(predicted))
     predicted_ids, draft_ids = predicted.tolist(), drafts.on_host().ids
     accepted = next((i for i, (d, p) in enumerate(zip(draft_ids, predicted_ids)) if d != p), n)
     return Acceptance(accepted, predicted[accepted: accepted + 1], predicted_ids[accepted])

@@ -107,6 +107,7 @@ def speculative_program(seq: Sequence) -> Program:
     end = prompt_length + cfg.max_new_tokens  # positions of the response are < end
     drafters = drafters_for(seq)
     nothing = Proposal.none(device)  # a round that drafts nothing (shared: a proposal is never changed in place)
+    plain, group = DraftingLayout(1), torch.zeros(1, dtype=torch.long, device=device)  # such a round's layout
 
     # 1. prefill: the prompt, and the rows of the drafter that rides on forwards (masks drafting the first round)
     rider = next((d for d in drafters if d.rows(prompt_length - 1, 0)), None)
@@ -152,7 +153,10 @@ def speculative_program(seq: Sequence) -> Program:
         n = drafts.tokens.numel()
         chain = torch.cat([token, drafts.tokens]) if n else token
         second_tokens = torch.tensor(second, dtype=torch.long, device=device) if second else None
-        request, layout = DraftingLayout.verify(seq, chain, position, riding, second_tokens)
+        if n or second or riding:
+            request, layout = DraftingLayout.verify(seq, chain, position, riding, second_tokens)
+        else:  # the next token alone, as AR decoding's step
+            request, layout = Forward(token, seq.position_ids(position, 1), group), plain
         logits = yield request
 
         # 3. verify: AR decoding's acceptance of the chain (and of the second chain where the chain's first draft
