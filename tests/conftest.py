@@ -1,6 +1,6 @@
 """Fixtures shared by every test folder."""
 
-import os
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -29,43 +29,38 @@ def sample_data_dir() -> Path:
     return SAMPLE_DATA_DIR
 
 
+@contextlib.contextmanager
+def environment(values: dict[str, str]):
+    """The environment variables `values` set (subprocesses started meanwhile inherit them), then restored: what the
+    session fixtures below set for every test."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in values.items():
+            patch.setenv(name, value)
+        yield
+
+
 @pytest.fixture(scope="session", autouse=True)
 def the_cache_checks_its_invariant():
     """Every cache checks its invariant on every commit in the tests (off by default: `cache.checks_by_default`),
     in the processes they start too."""
-    saved = os.environ.get(CHECK_ENV)
-    os.environ[CHECK_ENV] = "1"
-    yield
-    if saved is None:
-        del os.environ[CHECK_ENV]
-    else:
-        os.environ[CHECK_ENV] = saved
+    with environment({CHECK_ENV: "1"}):
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)
 def data_never_from_the_hub():
     """No test downloads a data set: a data file missing from the folders is an error, not a download
     (subprocesses started by tests inherit it)."""
-    saved = os.environ.get("HF_DATASETS_OFFLINE")
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
-    yield
-    if saved is None:
-        del os.environ["HF_DATASETS_OFFLINE"]
-    else:
-        os.environ["HF_DATASETS_OFFLINE"] = saved
+    with environment({"HF_DATASETS_OFFLINE": "1"}):
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)
 def model_cache_in_tmp(tmp_path_factory):
     """Models that refusion.load builds are cached in a temporary directory, never in the user's cache
     (subprocesses started by tests inherit it)."""
-    saved = os.environ.get("REFUSION_CACHE")
-    os.environ["REFUSION_CACHE"] = str(tmp_path_factory.mktemp("refusion-cache"))
-    yield
-    if saved is None:
-        del os.environ["REFUSION_CACHE"]
-    else:
-        os.environ["REFUSION_CACHE"] = saved
+    with environment({"REFUSION_CACHE": str(tmp_path_factory.mktemp("refusion-cache"))}):
+        yield
 
 
 def engine_processes(root: Path) -> list:
@@ -90,14 +85,8 @@ def engines_in_tmp(tmp_path_factory):
     from refusion.engine.place import DIR_ENV, KEEP_ALIVE_ENV
 
     root = tmp_path_factory.mktemp("engines")
-    saved = {name: os.environ.get(name) for name in (DIR_ENV, KEEP_ALIVE_ENV)}
-    os.environ[DIR_ENV], os.environ[KEEP_ALIVE_ENV] = str(root / "default"), "0"
-    yield root
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+    with environment({DIR_ENV: str(root / "default"), KEEP_ALIVE_ENV: "0"}):
+        yield root
     leftovers = engine_processes(tmp_path_factory.getbasetemp())  # the engine tests' directories included
     for process in leftovers:
         process.kill()
