@@ -82,12 +82,12 @@ class BatchRun:
     def step(self) -> None:
         """One step of the batch, and the admissions of the sequences that take the finished ones' rows."""
         out, decoder = self.out, self.decoder
-        step_begin = time.perf_counter()
+        begin = time.perf_counter()
         prefills = any(r.seq.stats.forwards == 0 for r in decoder.live.values())  # a new sequence's first forward
-        forward_before = decoder.stats.forward_seconds
+        forward_before, step_begin = decoder.stats.forward_seconds, time.perf_counter()
         finished = decoder.step()
         forward = decoder.stats.forward_seconds - forward_before
-        out["host_s"] += time.perf_counter() - step_begin - forward
+        out["host_s"] += time.perf_counter() - step_begin - forward  # the decoder's step alone, as run_batch timed it
         out["steps"] += 1
         out["prefill_steps"] += prefills
         out["prefill_forward_s" if prefills else "step_forward_s"] += forward
@@ -97,7 +97,7 @@ class BatchRun:
             out["accepted"] += seq.stats.accepted
             if self.waiting:
                 self.admit()
-        out["seconds"] += time.perf_counter() - step_begin
+        out["seconds"] += time.perf_counter() - begin
 
     def result(self) -> dict:
         out = dict(self.out)
